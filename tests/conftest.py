@@ -1,0 +1,21 @@
+"""Shared test helpers: the exactness criterion used across the suite."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import settings
+
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.load_profile("ci")
+
+
+def assert_scaled_close(
+    actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, what: str = ""
+) -> None:
+    """Differences within ``rel`` relative to the scale of ``expected`` (its largest magnitude)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= rel * max(scale, 1e-12), (
+        f"{what}: max abs diff {err:.3e} > {rel} x scale {scale:.3e}"
+    )

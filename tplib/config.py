@@ -1,0 +1,98 @@
+"""Model configurations: the paper's GPT-3 family (Table 1) and small CPU configs.
+
+A :class:`GPTConfig` is a frozen dataclass; named configs live in :data:`MODELS` and are
+looked up with :func:`get_config`. :func:`n_params` counts parameters from the config
+alone, so the 175B model can be sized without allocating anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["MODELS", "GPTConfig", "get_config", "n_params", "n_params_per_layer"]
+
+GPT2_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-style decoder-only language model."""
+
+    name: str
+    n_layer: int
+    hidden: int
+    n_head: int
+    seq_len: int = 2048  # longest sequence (the model's context); position table size
+    vocab_size: int = GPT2_VOCAB
+    # GPT-2/3 share the token embedding with the LM head; the paper's parameter counts
+    # (1.3B for GPT3-1B) only add up with sharing.
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for field in ("n_layer", "hidden", "n_head", "seq_len", "vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{field}={value!r}: must be a positive integer")
+        if self.hidden % self.n_head:
+            raise ValueError(
+                f"GPTConfig.hidden={self.hidden} is not divisible by n_head={self.n_head}: "
+                "attention heads must split the hidden size evenly"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_head
+
+    def with_(self, **changes: object) -> GPTConfig:
+        """A copy with some fields changed (e.g. a longer ``seq_len``)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _paper(name: str, n_layer: int, hidden: int) -> GPTConfig:
+    # Table 1: every paper model uses head dimension 128, L = 2048 and GPT-2's vocabulary.
+    return GPTConfig(name=name, n_layer=n_layer, hidden=hidden, n_head=hidden // 128)
+
+
+MODELS: dict[str, GPTConfig] = {
+    c.name: c
+    for c in (
+        _paper("GPT3-1B", 24, 2048),
+        _paper("GPT3-13B", 40, 5120),
+        _paper("GPT3-44B", 96, 6144),
+        _paper("GPT3-175B", 96, 12288),
+        # Small configs for a 2-core CPU. "tiny" runs a training step in milliseconds
+        # (exactness tests); "small" is the benchmark model (8 layers, hidden 512).
+        GPTConfig("tiny", n_layer=4, hidden=32, n_head=4, seq_len=64, vocab_size=96),
+        GPTConfig("mini", n_layer=4, hidden=128, n_head=4, seq_len=512, vocab_size=512),
+        GPTConfig("small", n_layer=8, hidden=512, n_head=8, seq_len=4096, vocab_size=2048),
+    )
+}
+
+
+def get_config(name: str) -> GPTConfig:
+    """Look a named config up, ignoring case."""
+    by_lower = {k.lower(): v for k, v in MODELS.items()}
+    try:
+        return by_lower[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}: known models are {sorted(MODELS)}") from None
+
+
+def n_params_per_layer(cfg: GPTConfig) -> int:
+    """Parameters of one transformer block: QKV and output projections, the MLP
+    (4x expansion), their biases, and two LayerNorms."""
+    h = cfg.hidden
+    attn = 3 * h * h + 3 * h + h * h + h
+    mlp = 4 * h * h + 4 * h + 4 * h * h + h
+    norms = 2 * 2 * h
+    return attn + mlp + norms
+
+
+def n_params(cfg: GPTConfig) -> int:
+    """Total parameters, counted from the config without allocating the model."""
+    embed = cfg.vocab_size * cfg.hidden + cfg.seq_len * cfg.hidden
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden
+    final_norm = 2 * cfg.hidden
+    return embed + cfg.n_layer * n_params_per_layer(cfg) + final_norm + head
