@@ -1,0 +1,170 @@
+"""Exactness of token-slice execution against whole sequences on one device (float32)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tplib.config import get_config
+from tplib.context import ATTENTION_IMPLS
+from tplib.data import synthetic_batch
+from tplib.model import build_model
+from tplib.plan import Plan, Unit
+from tplib.slicing import SliceExecutor, full_batch_loss, run_pipeline_local
+
+from .conftest import assert_scaled_close
+
+CFG = get_config("tiny")
+
+
+@st.composite
+def compositions(draw: st.DrawFn, total: int) -> tuple[int, ...]:
+    """A random composition of ``total``: positive parts in order, including all-ones and one part."""
+    kind = draw(st.sampled_from(["random", "ones", "single"]))
+    if kind == "ones":
+        return (1,) * total
+    if kind == "single":
+        return (total,)
+    cuts = (
+        draw(st.sets(st.integers(1, total - 1), max_size=min(total - 1, 8))) if total > 1 else set()
+    )
+    bounds = [0, *sorted(cuts), total]
+    return tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+@st.composite
+def plans(draw: st.DrawFn, max_batch: int = 4, max_len: int = 40) -> Plan:
+    batch = draw(st.integers(1, max_batch))
+    seq_len = draw(st.integers(1, max_len))
+    batch_slices = draw(compositions(batch))
+    token_slices = tuple(draw(compositions(seq_len)) for _ in batch_slices)
+    return Plan(batch_slices, token_slices)
+
+
+def _reference(model, tokens, targets):
+    model.zero_grad()
+    loss = full_batch_loss(model, tokens, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_grads_match(stages, ref_grads) -> None:
+    # A last stage's head is the first stage's embedding; their gradients add up.
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            key = "wte.weight" if name == "head.weight" and stage.cfg.tie_embeddings else name
+            grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert_scaled_close(grads[name], ref, what=name)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_IMPLS)
+@settings(max_examples=40)
+@given(plan=plans())
+def test_sliced_whole_model_matches_the_reference(plan: Plan, attention: str) -> None:
+    model = build_model(CFG, seed=1)
+    tokens, targets = synthetic_batch(CFG, plan.batch, plan.seq_len, seed=2)
+    ref_loss, ref_grads = _reference(model, tokens, targets)
+    model.zero_grad()
+    loss = run_pipeline_local([model], tokens, plan, targets=targets, attention=attention)
+    assert_scaled_close(loss, ref_loss, what="loss")
+    _assert_grads_match([model], ref_grads)
+
+
+@settings(max_examples=40)
+@given(plans(max_batch=3, max_len=32), st.sampled_from([(0, 1, 4), (0, 2, 4), (0, 1, 2, 3, 4)]))
+def test_chained_stages_match_the_reference(plan: Plan, cuts: tuple[int, ...]) -> None:
+    whole = build_model(CFG, seed=4)
+    tokens, targets = synthetic_batch(CFG, plan.batch, plan.seq_len, seed=5)
+    ref_loss, ref_grads = _reference(whole, tokens, targets)
+    stages = [build_model(CFG, lo, hi, seed=4) for lo, hi in itertools.pairwise(cuts)]
+    loss = run_pipeline_local(stages, tokens, plan, targets=targets)
+    assert_scaled_close(loss, ref_loss, what="loss")
+    _assert_grads_match(stages, ref_grads)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_IMPLS)
+@settings(max_examples=30)
+@given(plan=plans(max_batch=3, max_len=32))
+def test_middle_stage_input_gradients_match(plan: Plan, attention: str) -> None:
+    stage = build_model(CFG, 1, 3, seed=6)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g)
+    grad_out = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g)
+    x_ref = x.clone().requires_grad_()
+    y_ref = stage(x_ref)
+    y_ref.backward(grad_out)
+    ref_grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad()
+    x_sl = x.clone().requires_grad_()
+    y = run_pipeline_local([stage], x_sl, plan, grad_output=grad_out, attention=attention)
+    assert_scaled_close(y, y_ref.detach(), what="output")
+    assert_scaled_close(x_sl.grad, x_ref.grad, what="input grad")
+    for name, p in stage.named_parameters():
+        assert_scaled_close(p.grad, ref_grads[name], what=name)
+
+
+def test_context_buffers_are_allocated_once() -> None:
+    model = build_model(CFG)
+    plan = Plan((2,), ((5, 7, 4),))
+    tokens, targets = synthetic_batch(CFG, 2, 16)
+    ex = SliceExecutor(model, plan)
+    pointers = None
+    for _ in range(2):  # two iterations reuse the same buffers
+        for t, (lo, hi) in enumerate(
+            zip(plan.token_bounds(0), plan.token_bounds(0)[1:], strict=False)
+        ):
+            ex.forward(Unit(0, t), tokens[:, lo:hi], targets[:, lo:hi])
+            ptrs = [(c.k.data_ptr(), c.v.data_ptr()) for c in ex.context(0).layers.values()]
+            assert pointers is None or ptrs == pointers
+            pointers = ptrs
+        for t in reversed(range(3)):
+            ex.backward(Unit(0, t))
+
+
+def test_repeated_iterations_accumulate_like_the_reference() -> None:
+    model = build_model(CFG)
+    plan = Plan((1, 1), ((3, 9), (6, 6)))
+    tokens, targets = synthetic_batch(CFG, 2, 12)
+    _, ref = _reference(model, tokens, targets)
+    model.zero_grad()
+    for _ in range(2):
+        run_pipeline_local([model], tokens, plan, targets=targets)
+    for name, p in model.named_parameters():
+        assert_scaled_close(p.grad, 2 * ref[name], what=name)
+
+
+def test_out_of_order_slices_are_refused() -> None:
+    model = build_model(CFG)
+    plan = Plan((1,), ((4, 4),))
+    tokens, targets = synthetic_batch(CFG, 1, 8)
+    ex = SliceExecutor(model, plan)
+    with pytest.raises(RuntimeError, match=r"forward of Unit\(b=0, t=1\) out of order"):
+        ex.forward(Unit(0, 1), tokens[:, 4:], targets[:, 4:])
+    ex.forward(Unit(0, 0), tokens[:, :4], targets[:, :4])
+    ex.forward(Unit(0, 1), tokens[:, 4:], targets[:, 4:])
+    with pytest.raises(RuntimeError, match=r"backward of Unit\(b=0, t=0\) out of order"):
+        ex.backward(Unit(0, 0))
+
+
+def test_slices_that_do_not_cover_the_sequence_are_rejected() -> None:
+    model = build_model(CFG)
+    tokens, targets = synthetic_batch(CFG, 1, 10)
+    with pytest.raises(
+        ValueError, match=r"token slices \[4, 4\] sum to 8, not the sequence length 10"
+    ):
+        run_pipeline_local([model], tokens, Plan((1,), ((4, 4),)), targets=targets)
+
+
+def test_plan_longer_than_the_context_is_rejected() -> None:
+    model = build_model(CFG)
+    with pytest.raises(
+        ValueError, match=r"plan's sequence length 80 exceeds the model's context of 64"
+    ):
+        SliceExecutor(model, Plan((1,), ((40, 40),)))

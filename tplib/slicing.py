@@ -1,0 +1,200 @@
+"""Token-slice execution of pipeline stages: forward slice by slice, backward in reverse.
+
+:class:`SliceExecutor` runs one stage over the units (batch slice b, token slice t) of a
+:class:`~tplib.plan.Plan`. Each unit's forward is its own autograd graph, cut at the
+stage input and at the K/V context, so units can run forward and backward at different
+times, in any order a schedule allows, and on different processes. The executor keeps the
+K/V context of each batch slice and refuses orders that would compute something wrong:
+a sequence's slices must run forward first to last and backward last to first.
+
+:func:`run_pipeline_local` chains several stages in one process (all forwards, then all
+backwards), which is what the exactness tests compare against the whole-sequence model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tplib.context import StageContext
+from tplib.model import GPTStage
+from tplib.plan import Plan, Unit
+
+__all__ = ["SliceExecutor", "full_batch_loss", "run_pipeline_local"]
+
+
+@dataclass
+class _Saved:
+    input: Tensor  # the unit's stage input, a leaf of its graph
+    output: Tensor  # hidden states, or the scaled loss on the last stage
+
+
+class SliceExecutor:
+    """Runs one stage over the units of a plan.
+
+    ``loss_scale`` multiplies each unit's summed cross-entropy on the last stage; set it to
+    ``1 / (global batch * seq_len)`` and the gradients are those of the mean loss.
+    """
+
+    def __init__(
+        self,
+        stage: GPTStage,
+        plan: Plan,
+        *,
+        loss_scale: float = 1.0,
+        attention: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.stage = stage
+        self.attention = attention
+        self.dtype = dtype
+        self.plan = plan
+        self.loss_scale = loss_scale
+        if plan.seq_len > stage.cfg.seq_len:
+            raise ValueError(
+                f"plan's sequence length {plan.seq_len} exceeds the model's context of "
+                f"{stage.cfg.seq_len} tokens (GPTConfig.seq_len)"
+            )
+        self._contexts: dict[int, StageContext] = {}
+        self._saved: dict[Unit, _Saved] = {}
+        self._next_forward = [0] * plan.n_batch_slices
+        self._next_backward = [len(ts) for ts in plan.token_slices]
+
+    def context(self, b: int) -> StageContext:
+        """Batch slice ``b``'s K/V context, allocated once and reused every iteration."""
+        if b not in self._contexts:
+            self._contexts[b] = self.stage.new_context(
+                self.plan.batch_slices[b],
+                self.plan.seq_len,
+                dtype=self.dtype,
+                attention=self.attention,
+            )
+        return self._contexts[b]
+
+    def forward(self, unit: Unit, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Run ``unit`` forward on input ``x`` and return its output, detached.
+
+        The output is hidden states to send on, or on the last stage the unit's scaled loss
+        (then ``targets`` are required).
+        """
+        b, t = unit.b, unit.t
+        if self._next_forward[b] != t:
+            raise RuntimeError(
+                f"forward of {unit} out of order: batch slice {b} expects token slice "
+                f"{self._next_forward[b]} next (slices run forward first to last)"
+            )
+        expected = (self.plan.batch_slices[b], self.plan.token_slices[b][t])
+        if tuple(x.shape[:2]) != expected:
+            raise ValueError(f"input of {unit} has shape {tuple(x.shape)}, expected {expected}+")
+        if self.stage.is_last and targets is None:
+            raise ValueError("the last stage needs targets to compute the loss")
+        x = x.detach().requires_grad_(x.is_floating_point())
+        out = self.stage(
+            x, start=self.plan.token_offset(b, t), context=self.context(b), targets=targets
+        )
+        if self.stage.is_last:
+            out = out * self.loss_scale
+        self._saved[unit] = _Saved(x, out)
+        self._next_forward[b] = t + 1
+        if t + 1 == self.plan.n_token_slices(b):
+            self._next_forward[b] = 0  # the sequence is done; next iteration starts over
+        return out.detach()
+
+    def backward(self, unit: Unit, grad_output: Tensor | None = None) -> Tensor | None:
+        """Run ``unit`` backward; return the gradient of its input (None on the first stage,
+        whose input is token ids). Parameter gradients accumulate in ``.grad``."""
+        b, t = unit.b, unit.t
+        if self._next_backward[b] - 1 != t:
+            raise RuntimeError(
+                f"backward of {unit} out of order: batch slice {b} expects token slice "
+                f"{self._next_backward[b] - 1} next (slices run backward last to first)"
+            )
+        saved = self._saved.pop(unit, None)
+        if saved is None:
+            raise RuntimeError(f"backward of {unit} before its forward")
+        if not self.stage.is_last and grad_output is None:
+            raise ValueError(f"backward of {unit} on a middle stage needs the output gradient")
+        torch.autograd.backward(saved.output, None if self.stage.is_last else grad_output)
+        self._next_backward[b] = t if t > 0 else self.plan.n_token_slices(b)
+        return saved.input.grad
+
+    @property
+    def pending(self) -> list[Unit]:
+        """Units run forward but not yet backward."""
+        return sorted(self._saved)
+
+
+def _unit_rows(plan: Plan, unit: Unit, tensor: Tensor) -> Tensor:
+    """The part of a (batch, seq_len, ...) tensor that belongs to ``unit``."""
+    first = plan.batch_offset(unit.b)
+    lo = plan.token_offset(unit.b, unit.t)
+    rows = tensor[first : first + plan.batch_slices[unit.b]]
+    return rows[:, lo : lo + plan.token_slices[unit.b][unit.t]]
+
+
+def run_pipeline_local(
+    stages: Sequence[GPTStage],
+    x: Tensor,
+    plan: Plan,
+    *,
+    targets: Tensor | None = None,
+    grad_output: Tensor | None = None,
+    loss_scale: float | None = None,
+    attention: str | None = None,
+) -> Tensor:
+    """Forward and backward a batch through ``stages`` chained in this process: every unit
+    forward through every stage, then every unit backward in reverse order.
+
+    ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
+    grad, its gradient is accumulated in ``x.grad``. A chain that ends with the model's last
+    stage needs ``targets`` and returns the loss summed over units (scaled by
+    ``loss_scale``, default ``1 / targets.numel()``, which makes it the mean loss). Any other
+    chain needs ``grad_output``, the gradient of its output, and returns the output.
+    """
+    plan.check_covers(x.shape[0], x.shape[1])
+    for prev, nxt in itertools.pairwise(stages):
+        if prev.hi != nxt.lo:
+            raise ValueError(f"stages [{prev.lo}, {prev.hi}) and [{nxt.lo}, {nxt.hi}) do not chain")
+    ends_model = stages[-1].is_last
+    if ends_model and targets is None:
+        raise ValueError("a chain that ends with the last stage needs targets")
+    if not ends_model and grad_output is None:
+        raise ValueError("a chain that ends mid-model needs grad_output")
+    scale = 1.0 / targets.numel() if loss_scale is None and targets is not None else loss_scale
+    executors = [
+        SliceExecutor(s, plan, loss_scale=scale or 1.0, attention=attention) for s in stages
+    ]
+    outputs: list[Tensor] = []
+    for unit in plan.units():
+        h = _unit_rows(plan, unit, x)
+        for ex in executors:
+            y = (
+                _unit_rows(plan, unit, targets)
+                if ex.stage.is_last and targets is not None
+                else None
+            )
+            h = ex.forward(unit, h, y)
+        outputs.append(h)
+    for unit in reversed(list(plan.units())):
+        grad = None if ends_model else _unit_rows(plan, unit, grad_output)
+        for ex in reversed(executors):
+            grad = ex.backward(unit, grad)
+        if x.requires_grad and grad is not None:
+            if x.grad is None:
+                x.grad = torch.zeros_like(x)
+            _unit_rows(plan, unit, x.grad).add_(grad)
+    if ends_model:
+        return torch.stack(outputs).sum()
+    out = torch.empty(*x.shape[:2], outputs[0].shape[-1], dtype=outputs[0].dtype)
+    for unit, h in zip(plan.units(), outputs, strict=True):
+        _unit_rows(plan, unit, out).copy_(h)
+    return out
+
+
+def full_batch_loss(model: GPTStage, tokens: Tensor, targets: Tensor) -> Tensor:
+    """The single-device reference: mean next-token loss of whole sequences, no slicing."""
+    return model(tokens, targets=targets) / targets.numel()
