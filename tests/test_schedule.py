@@ -1,0 +1,362 @@
+"""Tests for tplib.schedule: generators, communication pass, validator, replay, CSV."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import textwrap
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tplib.schedule as schedule_module
+from tplib.plan import Plan
+from tplib.schedule import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    add_communication,
+    format_grid,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    replay,
+    terapipe,
+    validate,
+)
+
+PLANS = [
+    Plan.from_paper("[(1, [8])]"),
+    Plan.from_paper("[(1, [8])] * 4"),
+    Plan.from_paper("[(2, [8]), (1, [8])]"),
+    Plan.from_paper("[(1, [3, 3, 2])] * 2"),
+    Plan.from_paper("[(1, [8]), (1, [1, 1, 1, 5])]"),  # differing M per batch slice
+    Plan.from_paper("[(2, [2, 6]), (1, [1] * 8), (3, [4, 4])]"),
+]
+
+
+@st.composite
+def plans(draw: st.DrawFn, *, max_token_slices: int = 4) -> Plan:
+    """Random batch splits with a random token slicing per batch slice."""
+    seq_len = draw(st.integers(1, 8))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
+    slicings = []
+    for _ in sizes:
+        cuts = draw(
+            st.sets(st.integers(1, seq_len - 1), max_size=max_token_slices - 1)
+            if seq_len > 1
+            else st.just(set())
+        )
+        bounds = [0, *sorted(cuts), seq_len]
+        slicings.append(tuple(hi - lo for lo, hi in pairwise(bounds)))
+    return Plan(tuple(sizes), tuple(slicings))
+
+
+def compute(s: Schedule, k: int) -> list[str]:
+    return [str(a) for a in s.compute_actions(k)]
+
+
+def with_stage(s: Schedule, k: int, acts: list[Action]) -> Schedule:
+    actions = list(s.actions)
+    actions[k] = tuple(acts)
+    return dataclasses.replace(s, actions=tuple(actions))
+
+
+def from_compute(n_stages: int, plan: Plan, orders: list[list[str]]) -> Schedule:
+    """A schedule from hand-written compute orders, with communication added."""
+    acts = [[Action.parse(text, k) for text in order] for k, order in enumerate(orders)]
+    return add_communication(Schedule("hand", n_stages, plan, tuple(map(tuple, acts))))
+
+
+def assert_caught(s: Schedule, marked: str, *words: str) -> ScheduleError:
+    with pytest.raises(ScheduleError) as info:
+        validate(s)
+    message = str(info.value)
+    assert "stage 0 |" in message and "step" in message, message  # the grid is printed
+    assert f">{marked}<" in message, message  # with the faulty action marked
+    for word in words:
+        assert word in message.splitlines()[0], message  # and explained on the first line
+    return info.value
+
+
+# ---- generators validate ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_generators_validate(name: str, n_stages: int, plan: Plan) -> None:
+    if name == "gpipe" and any(plan.n_token_slices(b) > 1 for b in range(plan.n_batch_slices)):
+        with pytest.raises(ValueError, match="use 'terapipe'"):
+            make_schedule(name, n_stages, plan)
+        return
+    s = make_schedule(name, n_stages, plan)
+    assert s.name == name and s.n_stages == n_stages and s.plan == plan
+    validate(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans(), n_stages=st.integers(1, 4), name=st.sampled_from(["terapipe", "1f1b"]))
+def test_random_plans_validate(plan: Plan, n_stages: int, name: str) -> None:
+    validate(SCHEDULES[name](n_stages, plan))
+
+
+@settings(max_examples=30, deadline=None)
+@given(plan=plans(max_token_slices=1), n_stages=st.integers(1, 4))
+def test_random_microbatch_plans_validate_under_gpipe(plan: Plan, n_stages: int) -> None:
+    validate(gpipe(n_stages, plan))
+
+
+# ---- exact action lists ----------------------------------------------------------------
+
+
+def test_gpipe_exact() -> None:
+    s = gpipe(2, Plan.gpipe(batch=2, seq_len=4))
+    assert [str(a) for a in s.actions[0]] == [
+        "F b0 t0", "SA b0 t0", "F b1 t0", "SA b1 t0",
+        "RG b1 t0", "B b1 t0", "RG b0 t0", "B b0 t0",
+    ]  # fmt: skip
+    assert [str(a) for a in s.actions[1]] == [
+        "RA b0 t0", "F b0 t0", "RA b1 t0", "F b1 t0",
+        "B b1 t0", "SG b1 t0", "B b0 t0", "SG b0 t0",
+    ]  # fmt: skip
+
+
+def test_terapipe_exact() -> None:
+    s = terapipe(2, Plan.from_paper("[(1, [1, 1]), (1, [2])]"))
+    expected = ["F b0 t0", "F b0 t1", "F b1 t0", "B b1 t0", "B b0 t1", "B b0 t0"]
+    assert compute(s, 0) == compute(s, 1) == expected
+    assert [str(a) for a in s.actions[1]][:3] == ["RA b0 t0", "F b0 t0", "RA b0 t1"]
+
+
+def test_1f1b_exact_token_sliced() -> None:
+    s = one_f_one_b(3, Plan.from_paper("[(1, [1, 1])] * 2"))
+    assert compute(s, 0) == [
+        "F b0 t0", "F b0 t1", "F b1 t0", "F b1 t1",
+        "B b0 t1", "B b0 t0", "B b1 t1", "B b1 t0",
+    ]  # fmt: skip
+    assert compute(s, 1) == [
+        "F b0 t0", "F b0 t1", "F b1 t0", "B b0 t1",
+        "F b1 t1", "B b0 t0", "B b1 t1", "B b1 t0",
+    ]  # fmt: skip
+    assert compute(s, 2) == [
+        "F b0 t0", "F b0 t1", "B b0 t1", "F b1 t0",
+        "B b0 t0", "F b1 t1", "B b1 t1", "B b1 t0",
+    ]  # fmt: skip
+
+
+def test_1f1b_exact_microbatches_is_pipedream_flush() -> None:
+    s = one_f_one_b(2, Plan.gpipe(batch=3, seq_len=4))
+    assert compute(s, 0) == ["F b0 t0", "F b1 t0", "B b0 t0", "F b2 t0", "B b1 t0", "B b2 t0"]
+    assert compute(s, 1) == ["F b0 t0", "B b0 t0", "F b1 t0", "B b1 t0", "F b2 t0", "B b2 t0"]
+
+
+def test_1f1b_runs_missing_forwards_before_a_backward() -> None:
+    # Batch slice 1 has more token slices than batch slice 0, so its last slice's
+    # backward needs forwards beyond the one-per-backward rhythm.
+    s = one_f_one_b(2, Plan.from_paper("[(1, [4]), (1, [1, 1, 1, 1])]"))
+    assert compute(s, 1) == [
+        "F b0 t0", "B b0 t0", "F b1 t0", "F b1 t1", "F b1 t2", "F b1 t3",
+        "B b1 t3", "B b1 t2", "B b1 t1", "B b1 t0",
+    ]  # fmt: skip
+    assert compute(s, 0)[:3] == ["F b0 t0", "F b1 t0", "B b0 t0"]
+    validate(s)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4, 6])
+def test_1f1b_warmup(n_stages: int, plan: Plan) -> None:
+    s = one_f_one_b(n_stages, plan)
+    for k in range(n_stages):
+        kinds = [a.kind for a in s.compute_actions(k)]
+        leading = kinds.index("B")
+        warmup = (n_stages - k - 1) + (plan.n_token_slices(0) - 1)
+        # The warmup forwards, then the steady state opens with one more forward.
+        assert leading == min(warmup + 1, plan.n_units)
+
+
+def test_docstring_tables_match_generators() -> None:
+    plan = Plan.from_paper("[(1, [2, 2])] * 3")
+    doc = schedule_module.__doc__ or ""
+    for name in ("terapipe", "1f1b"):
+        assert textwrap.indent(format_grid(SCHEDULES[name](2, plan)), "    ") in doc
+
+
+# ---- errors from generators --------------------------------------------------------------
+
+
+def test_gpipe_rejects_token_slices() -> None:
+    with pytest.raises(ValueError, match="terapipe"):
+        gpipe(2, Plan.from_paper("[(1, [2, 2])]"))
+
+
+def test_unknown_schedule_lists_known_ones() -> None:
+    with pytest.raises(ValueError, match="zero-bubble") as info:
+        make_schedule("zero-bubble", 2, PLANS[0])
+    for name in SCHEDULES:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_stage_count_must_be_positive(name: str) -> None:
+    with pytest.raises(ValueError, match="n_stages"):
+        make_schedule(name, 0, PLANS[0])
+
+
+def test_add_communication_wants_compute_only() -> None:
+    with pytest.raises(ValueError, match="forwards and backwards only"):
+        add_communication(terapipe(2, PLANS[0]))
+
+
+# ---- mutations the validator must catch ------------------------------------------------
+
+TOKEN_PLAN = Plan.from_paper("[(1, [1, 1])] * 2")
+
+
+def test_catches_backward_before_its_forward() -> None:
+    s = terapipe(3, TOKEN_PLAN)
+    acts = list(s.actions[1])
+    f = acts.index(Action("F", 1, 1, 1))
+    b = acts.index(Action("B", 1, 1, 1))
+    acts[f], acts[b] = acts[b], acts[f]
+    assert_caught(with_stage(s, 1, acts), "B b1 t1", "B b1 t1", "F b1 t1")
+
+
+def test_catches_token_slices_forward_out_of_order() -> None:
+    s = terapipe(3, TOKEN_PLAN)
+    acts = list(s.actions[0])
+    i, j = acts.index(Action("F", 0, 0, 0)), acts.index(Action("F", 0, 0, 1))
+    acts[i], acts[j] = acts[j], acts[i]
+    assert_caught(with_stage(s, 0, acts), "F b0 t1", "F b0 t1", "K/V")
+
+
+def test_catches_token_slices_backward_in_forward_order() -> None:
+    s = one_f_one_b(3, TOKEN_PLAN)
+    acts = list(s.actions[2])
+    i, j = acts.index(Action("B", 2, 1, 1)), acts.index(Action("B", 2, 1, 0))
+    acts[i], acts[j] = acts[j], acts[i]
+    assert_caught(with_stage(s, 2, acts), "B b1 t0", "B b1 t0", "last-to-first")
+
+
+def test_catches_missing_send() -> None:
+    s = terapipe(3, TOKEN_PLAN)
+    acts = [a for a in s.actions[0] if a != Action("SA", 0, 1, 0)]
+    assert_caught(with_stage(s, 0, acts), "F b1 t0", "SA b1 t0", "lacks")
+
+
+def test_catches_duplicated_action() -> None:
+    s = terapipe(3, TOKEN_PLAN)
+    acts = list(s.actions[1])
+    acts.insert(5, acts[1])
+    assert str(acts[1]) == "F b0 t0"
+    assert_caught(with_stage(s, 1, acts), "F b0 t0", "F b0 t0", "twice")
+
+
+def test_catches_fifo_mismatch_between_stages() -> None:
+    plan = Plan.gpipe(batch=2, seq_len=4)
+    s = from_compute(
+        2,
+        plan,
+        [
+            ["F b1 t0", "F b0 t0", "B b1 t0", "B b0 t0"],  # sends b1 first ...
+            ["F b0 t0", "F b1 t0", "B b1 t0", "B b0 t0"],  # ... but receives b0 first
+        ],
+    )
+    error = assert_caught(s, "F b0 t0", "FIFO", "RA b0 t0", "SA b1 t0")
+    assert Action("RA", 1, 0, 0) in error.actions
+
+
+def test_catches_deadlock() -> None:
+    # Stage 0 waits for b0's gradient before sending b1's activation, which stage 1
+    # needs before it runs b0 backward: each waits on the other.
+    s = from_compute(
+        2,
+        Plan.gpipe(batch=2, seq_len=4),
+        [
+            ["F b0 t0", "B b0 t0", "F b1 t0", "B b1 t0"],
+            ["F b0 t0", "F b1 t0", "B b0 t0", "B b1 t0"],
+        ],
+    )
+    error = assert_caught(s, "B b0 t0", "deadlock", "RG b0 t0", "RA b1 t0")
+    assert ">F b1 t0<" in str(error)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        replay(s, lambda a: 1.0)
+
+
+def test_catches_receive_from_nowhere_and_foreign_units() -> None:
+    s = terapipe(2, TOKEN_PLAN)
+    extra = with_stage(s, 0, [Action("RA", 0, 0, 0), *s.actions[0]])
+    assert_caught(extra, "F b0 t0", "RA b0 t0", "has none")
+    foreign = with_stage(s, 1, [*s.actions[1], Action("F", 1, 5, 0)])
+    with pytest.raises(ScheduleError, match="not in the plan"):
+        validate(foreign)
+
+
+# ---- replay, grid, text and CSV --------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 4])
+def test_replay_fill_drain_makespan(n_stages: int) -> None:
+    plan = PLANS[3]
+    timed = replay(terapipe(n_stages, plan), lambda a: 1.0 if a.kind in "FB" else 0.0)
+    assert max(ta.end for ta in timed) == 2 * (plan.n_units + n_stages - 1)
+    assert len(timed) == sum(len(acts) for acts in terapipe(n_stages, plan).actions)
+
+
+def test_replay_with_transfer_times() -> None:
+    s = terapipe(2, PLANS[0])
+    timed = replay(s, lambda a: 1.0 if a.kind in ("F", "B") else 0.5)
+    got = {(ta.stage, str(ta.action)): (ta.start, ta.end) for ta in timed}
+    assert got[(0, "SA b0 t0")] == (1.0, 1.5)
+    assert got[(1, "F b0 t0")] == (1.5, 2.5)  # waits for the activation to arrive
+    assert got[(0, "RG b0 t0")] == (1.0, 4.0)  # the send did not hold stage 0 up
+    assert got[(0, "B b0 t0")] == (4.0, 5.0)
+
+
+def test_format_grid_marks_an_action() -> None:
+    s = one_f_one_b(3, TOKEN_PLAN)
+    grid = format_grid(s, Action("RG", 0, 0, 1))  # a receive marks its backward
+    assert ">B b0 t1<" in grid and grid.count(">") == 1
+    assert len(grid.splitlines()) == 2 + 3
+    narrow = format_grid(s, Action("B", 0, 1, 0), max_steps=4)
+    assert ">B b1 t0<" in narrow and "..." in narrow
+
+
+@given(
+    kind=st.sampled_from(schedule_module.KINDS),
+    stage=st.integers(0, 99),
+    b=st.integers(0, 999),
+    t=st.integers(0, 999),
+)
+def test_action_text_round_trip(kind: str, stage: int, b: int, t: int) -> None:
+    a = Action(kind, stage, b, t)
+    assert Action.parse(str(a), stage) == a
+
+
+def test_action_rejects_bad_text() -> None:
+    with pytest.raises(ValueError, match="cannot parse"):
+        Action.parse("X b0 t0", 0)
+    with pytest.raises(ValueError, match="unknown action kind"):
+        Action("X", 0, 0, 0)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_csv_round_trip_buffer(name: str) -> None:
+    plan = Plan((1, 2), ((8,), (8,)), latency=1.25, t_max=0.1, eps=1e-3)
+    s = make_schedule(name, 3, plan)
+    buf = io.StringIO()
+    s.to_csv(buf)
+    buf.seek(0)
+    assert Schedule.from_csv(buf) == s
+
+
+def test_csv_round_trip_file(tmp_path: object) -> None:
+    s = one_f_one_b(4, PLANS[5])
+    path = f"{tmp_path}/sched.csv"
+    s.to_csv(path)
+    assert Schedule.from_csv(path) == s
+    with open(path) as f:
+        assert "stage,index,kind,b,t" in f.read()
