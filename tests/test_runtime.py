@@ -1,0 +1,139 @@
+"""Pipelined training on gloo processes computes what one device computes.
+
+Every schedule runs with 1, 2 and 4 stages, 1 and 2 data-parallel replicas and several
+slicings; after one iteration the loss and every gradient match a single-process
+whole-batch reference, and after 5 AdamW steps so do the parameters (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tplib.launch import LocalPool, RunResult
+from tplib.plan import Plan
+from tplib.runtime import RunConfig, balanced_stages, train_reference
+
+SEQ_LEN = 16
+BATCH_PER_REPLICA = 2
+SLICINGS = {
+    "gpipe": [Plan.gpipe(2, SEQ_LEN), Plan((2,), ((SEQ_LEN,),))],
+    "terapipe": [
+        Plan.uniform(2, SEQ_LEN, n_token_slices=4),
+        Plan((1, 1), ((7, 1, 8), (3, 13))),
+        Plan((2,), ((1,) * 4 + (12,),)),
+    ],
+    "1f1b": [
+        Plan((1, 1), ((SEQ_LEN,), (SEQ_LEN,))),
+        Plan.uniform(2, SEQ_LEN, n_token_slices=3),
+        Plan((1, 1), ((5, 11), (2, 6, 8))),
+    ],
+}
+CASES = [
+    (schedule, k, r, i)
+    for schedule, plans in SLICINGS.items()
+    for k in (1, 2, 4)
+    for r in (1, 2)
+    for i in range(len(plans))
+]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, LocalPool] = {}
+
+    def get(world: int) -> LocalPool:
+        if world not in made:
+            made[world] = LocalPool(world, timeout_s=60)
+        return made[world]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def _config(schedule: str, k: int, r: int, plan: Plan) -> RunConfig:
+    return RunConfig(
+        model="tiny",
+        schedule=schedule,
+        n_stages=k,
+        n_replicas=r,
+        batch=BATCH_PER_REPLICA * r,
+        seq_len=SEQ_LEN,
+        plan=plan,
+        steps=5,
+        lr=1e-3,  # wrong or missing gradients move parameters ~1e-3, 100x the tolerance
+        # The attention key bias has a gradient that is exactly zero in exact arithmetic
+        # (softmax ignores a shift common to all keys), so both runs hold rounding noise
+        # there, ~1e-10. With Adam's default eps=1e-8 that noise is divided by its own
+        # magnitude and moves the bias by ~lr; eps=1e-6 keeps noise-level gradients
+        # noise-level without touching any real gradient (all >> 1e-6 here).
+        adam_eps=1e-6,
+        collect_grads=True,
+        collect_params=True,
+        timeout_s=60,
+    )
+
+
+_references: dict[int, object] = {}
+
+
+def _reference(run: RunConfig):
+    # The reference depends only on the global batch (model, data and optimiser are fixed).
+    if run.batch not in _references:
+        _references[run.batch] = train_reference(run)
+    return _references[run.batch]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _model_name(run: RunConfig, stage: int, name: str) -> str:
+    # A last stage's LM head is the model's tied token embedding.
+    last = stage == run.n_stages - 1
+    return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
+
+
+@pytest.mark.parametrize(("schedule", "k", "r", "i"), CASES)
+def test_pipeline_matches_single_process(pools, schedule: str, k: int, r: int, i: int) -> None:
+    run = _config(schedule, k, r, SLICINGS[schedule][i])
+    result: RunResult = pools(run.world_size).run(run)
+    ref = _reference(run)
+    # Losses of every step (the first one is the loss after one iteration).
+    _close(torch.tensor(result.losses), torch.tensor(ref.losses), "losses")
+    for replica in range(r):
+        grads, params = result.grads(replica), result.params(replica)
+        covered = {_model_name(run, s, n) for s, n in grads}
+        assert covered == set(ref.grads), "every parameter lives on exactly one stage"
+        for (stage, name), g in grads.items():
+            _close(g, ref.grads[_model_name(run, stage, name)], f"grad {name}")
+        for (stage, name), p in params.items():
+            _close(p, ref.params[_model_name(run, stage, name)], f"param {name} after 5 steps")
+
+
+def test_trace_has_every_action(pools) -> None:
+    run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
+    trace = pools(2).run(run).trace
+    assert list(trace.columns) == [
+        "rank",
+        "stage",
+        "replica",
+        "iteration",
+        "kind",
+        "b",
+        "t",
+        "start",
+        "end",
+    ]
+    schedule = run.validate()
+    for stage in range(2):
+        kinds = trace[(trace.stage == stage) & (trace.iteration == 0)].kind.tolist()
+        assert kinds == [a.kind for a in schedule.actions[stage]] + ["AR", "OPT"]
+    assert (trace.end >= trace.start).all()
+
+
+def test_balanced_stages() -> None:
+    assert balanced_stages(10, 4) == ((0, 3), (3, 6), (6, 8), (8, 10))
+    with pytest.raises(ValueError, match=r"n_stages=5 must be between 1 and the model's 4 layers"):
+        balanced_stages(4, 5)
