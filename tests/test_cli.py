@@ -1,0 +1,130 @@
+"""Tests for tplib.cli: commands run in-process through ``main``; bad input exits with 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tplib.cli import main
+from tplib.config import get_config
+from tplib.perfmodel import Profile, build_profile
+from tplib.plan import Plan
+
+
+def _analytic(b: int, s: int, c: int) -> float:
+    return b * (1e-3 + 2e-6 * s + (1e-4 + 1e-8 * s * c if c else 0.0))
+
+
+@pytest.fixture()
+def analytic_file(tmp_path: Path) -> Path:
+    """A profile of a known function: fast and deterministic for the error cases."""
+    path = tmp_path / "analytic.json"
+    build_profile(
+        _analytic, config=get_config("tiny"), n_layers=1, seq_len=64, batch_sizes=(1, 2)
+    ).save(path)
+    return path
+
+
+def plan_args(path: Path, *extra: str) -> list[str]:
+    return ["plan", "--profile", str(path), "--seq-len", "64", "--batch", "4", *extra]
+
+
+def test_profile_then_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiny.json"
+    args = ["profile", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--batch", "2"]
+    args += ["--repeats", "2", "--threads", "1", "--quiet", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "held-out error" in printed and "b=2" in printed
+    assert Profile.load(out).batch_sizes == (1, 2)
+
+    assert main(plan_args(out, "--stages", "4", "--json")) == 0
+    result = json.loads(capsys.readouterr().out)  # exactly one JSON object
+    for key in ("token_slices", "batch_slices", "latency", "plan_seconds", "uniform"):
+        assert key in result
+    assert sum(result["batch_slices"]) == 4
+    assert all(sum(ts) == 64 for ts in result["token_slices"])
+    assert Plan.from_paper(result["paper"]).batch == 4
+    assert result["latency"] > 0 and 0 <= result["plan_seconds"] < 60
+    assert result["uniform"]["latency"] > 0
+    assert result["speedup_vs_uniform"] == pytest.approx(
+        result["uniform"]["latency"] / result["latency"]
+    )
+
+
+def test_plan_text(analytic_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(plan_args(analytic_file, "--stages", "4", "--method", "paper")) == 0
+    text = capsys.readouterr().out
+    assert "predicted latency" in text and "best uniform" in text and "uniform / plan" in text
+    assert "[(" in text  # the paper's notation
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--stages", "0"], "n_stages K=0"),
+        (["--stages", "2", "--seq-len", "60"], "not divisible by granularity"),
+        (["--stages", "2", "--seq-len", "128"], "beyond the profile's seq_len"),
+        (["--stages", "2", "--max-batch-slice", "4"], "max_batch_slice=4 is outside 1..2"),
+        (["--stages", "2", "--granularity", "4"], "off the profiled grid"),
+    ],
+)
+def test_plan_errors(
+    analytic_file: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main(plan_args(analytic_file, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_plan_needs_every_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "b2.json"
+    build_profile(
+        _analytic, config=get_config("tiny"), n_layers=1, seq_len=64, batch_sizes=(2,)
+    ).save(path)
+    assert main(plan_args(path, "--stages", "2")) == 2
+    assert "batch size 1 was not profiled" in capsys.readouterr().err
+
+
+def test_bad_profile_files(
+    analytic_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = json.loads(analytic_file.read_text())
+    d["times"][0][0] = float("nan")
+    analytic_file.write_text(json.dumps(d))
+    assert main(plan_args(analytic_file, "--stages", "2")) == 2
+    assert "is nan: times must be finite" in capsys.readouterr().err
+    assert main(plan_args(tmp_path / "missing.json", "--stages", "2")) == 2
+    assert "error: cannot read profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "nope"], "unknown model"),
+        (["--model", "tiny", "--seq-len", "60"], "not a positive multiple of granularity"),
+        (["--model", "tiny", "--seq-len", "128"], "exceeds model tiny's context"),
+    ],
+)
+def test_profile_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["profile", *args, "--quiet", "--out", str(tmp_path / "p.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_profile_on_missing_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["profile", "--model", "tiny", "--device", "cuda", "--out", str(tmp_path / "p")]
+    assert main(args) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--seq-len", "64"]) == 2
+    assert "required" in capsys.readouterr().err
+    assert main([]) == 2

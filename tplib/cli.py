@@ -1,0 +1,151 @@
+"""Command line: ``python -m tplib <command> ...`` (also installed as ``tplib``).
+
+Commands:
+
+- ``profile``: time one pipeline stage on this machine and save a :class:`~tplib.perfmodel.Profile`.
+- ``plan``: run the DP planner on a saved profile and compare with the best uniform slicing.
+
+Each command is one small function from parsed arguments to an exit code; add a command
+by writing one and registering it in :func:`build_parser`. Bad input (a ``ValueError``
+from the library, an unreadable file) prints ``error: ...`` and exits with 2, as
+argparse does for usage errors; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from tplib.perfmodel import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, DTYPES, Profile, profile_stage
+from tplib.plan import Plan
+from tplib.planner import best_uniform, pipeline_latency, plan
+
+__all__ = ["build_parser", "main"]
+
+
+def _profile(args: argparse.Namespace) -> int:
+    prof = profile_stage(
+        args.model, n_layers=args.layers, seq_len=args.seq_len, max_batch=args.batch,
+        granularity=args.granularity, repeats=args.repeats, rounds=args.rounds,
+        device=args.device, dtype=args.dtype, bandwidth=args.bandwidth, latency=args.latency,
+        threads=args.threads, progress=not args.quiet,
+    )  # fmt: skip
+    prof.save(args.out)
+    print(
+        f"profiled {prof.config.name}: {prof.n_layers} layer(s) on {prof.device} "
+        f"({prof.dtype}), L={prof.seq_len}, g={prof.granularity}, "
+        f"batch sizes {list(prof.batch_sizes)} -> {args.out}"
+    )
+    errors = zip(prof.batch_sizes, prof.holdout_error, prof.holdout_error_ctx, strict=True)
+    for b, e, e_ctx in errors:
+        print(f"  b={b}: Eq. 9 held-out error {e:.2%} of t(b,l,c), {e_ctx:.2%} of the overhead")
+    return 0
+
+
+def _best_uniform(prof: Profile, seq_len: int, batch: int, n_stages: int, g: int) -> Plan:
+    """The best uniform slicing over every profiled batch-slice size dividing the batch."""
+    sizes = [b for b in prof.batch_sizes if batch % b == 0]
+    if not sizes:
+        raise ValueError(
+            f"no profiled batch size {list(prof.batch_sizes)} divides batch={batch}: "
+            "uniform slicing needs equal batch slices"
+        )
+    plans = [best_uniform(prof, seq_len, batch, n_stages, b, g) for b in sizes]
+    return min(plans, key=lambda p: pipeline_latency(p, prof, n_stages))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        prof = Profile.load(args.profile)
+    except OSError as exc:
+        raise ValueError(f"cannot read profile {args.profile}: {exc.strerror or exc}") from None
+    g = args.granularity or prof.granularity
+    t0 = time.perf_counter()
+    p = plan(
+        prof, seq_len=args.seq_len, batch=args.batch, n_stages=args.stages, granularity=g,
+        eps=args.eps, method=args.method, max_batch_slice=args.max_batch_slice,
+    )  # fmt: skip
+    plan_seconds = time.perf_counter() - t0
+    uni = _best_uniform(prof, args.seq_len, args.batch, args.stages, g)
+    # Both on the same yardstick, the fill-drain latency sum t + (K - 1) max t; for
+    # method="paper" the planner's own objective (Plan.latency) differs and is reported too.
+    latency = pipeline_latency(p, prof, args.stages)
+    uni_latency = pipeline_latency(uni, prof, args.stages)
+    out = {
+        "profile": str(args.profile), "model": prof.config.name, "device": prof.device,
+        "method": args.method, "seq_len": args.seq_len, "batch": args.batch,
+        "n_stages": args.stages, "eps": args.eps, "granularity": g,
+        "batch_slices": list(p.batch_slices), "token_slices": [list(t) for t in p.token_slices],
+        "paper": p.to_paper(), "latency": latency, "objective": p.latency, "t_max": p.t_max,
+        "plan_seconds": plan_seconds,
+        "uniform": {
+            "batch_slices": list(uni.batch_slices),
+            "token_slices": [list(t) for t in uni.token_slices],
+            "paper": uni.to_paper(), "latency": uni_latency,
+        },
+        "speedup_vs_uniform": uni_latency / latency,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"plan ({args.method}, K={args.stages}, L={args.seq_len}, B={args.batch}, g={g}):")
+    print(f"  {out['paper']}")
+    print(f"  predicted latency {latency * 1e3:.3f} ms (planned in {plan_seconds:.3f} s)")
+    print(f"best uniform: {out['uniform']['paper']}")
+    print(f"  latency {uni_latency * 1e3:.3f} ms; uniform / plan = {uni_latency / latency:.3f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tplib", description="TeraPipe kit: profile a pipeline stage, plan the slicing."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("profile", help="time one pipeline stage and save a profile (JSON)")
+    p.add_argument("--model", required=True, help="named config, e.g. tiny, small, GPT3-1B")
+    p.add_argument("--layers", type=int, default=1, help="blocks in the stage (default 1)")
+    p.add_argument("--seq-len", type=int, help="L: longest slice + context (default: model's)")
+    p.add_argument("--batch", type=int, default=1, help="profile batch sizes 1..B")
+    p.add_argument("--granularity", type=int, default=8, help="g: lengths g, 2g, ..., L")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="sweeps in random order (min); >1 on a shared machine"
+    )
+    p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="link, bytes/s")
+    p.add_argument("--latency", type=float, default=DEFAULT_LATENCY, help="per message, s")
+    p.add_argument("--threads", type=int, help="torch CPU threads while timing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help="profile file to write")
+    p.set_defaults(func=_profile)
+
+    p = sub.add_parser("plan", help="plan the slicing from a saved profile")
+    p.add_argument("--profile", required=True, help="profile file (from `tplib profile`)")
+    p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")
+    p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
+    p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
+    p.add_argument("--eps", type=float, default=0.0, help="t_max tolerance, s (0: exact)")
+    p.add_argument("--method", choices=("exact", "paper"), default="exact")
+    p.add_argument("--granularity", type=int, help="g (default: the profile's)")
+    p.add_argument("--max-batch-slice", type=int, help="largest batch slice allowed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors and --help: return the code, don't exit
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
