@@ -27,12 +27,69 @@ from tplib.context import LayerContext, StageContext, slice_attention
 __all__ = ["GPTStage", "build_model", "check_stage_range", "init_parameters"]
 
 
+class _LinearAccumulate(torch.autograd.Function):
+    """``x @ W.T + b`` whose backward adds the weight and bias gradients straight into
+    ``.grad`` inside the GEMM (``addmm_`` with beta=1).
+
+    A stage runs backward once per token slice, so each weight receives one gradient per
+    slice; letting autograd allocate each and add it to ``.grad`` costs a full pass over
+    every weight per slice. Autograd never sees these gradients (``None`` is returned), so
+    parameter hooks do not fire; tplib reduces gradients itself after backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor | None, None, None]:
+        x, weight, bias = ctx.saved_tensors  # type: ignore[attr-defined]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        if weight.requires_grad:
+            if weight.grad is None:
+                weight.grad = g2.t() @ x2
+            else:
+                weight.grad.addmm_(g2.t(), x2)
+        if bias.requires_grad:
+            if bias.grad is None:
+                bias.grad = g2.sum(0)
+            else:
+                bias.grad.add_(g2.sum(0))
+        grad_in = grad_out @ weight if ctx.needs_input_grad[0] else None  # type: ignore[attr-defined]
+        return grad_in, None, None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that accumulates its parameter gradients in place (float32 path).
+
+    Under autocast, or for other dtypes, it is a plain ``nn.Linear``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        fused = (
+            self.bias is not None
+            and torch.is_grad_enabled()
+            and self.weight.requires_grad
+            and x.dtype == self.weight.dtype == torch.float32
+            and not torch.is_autocast_enabled(x.device.type)
+        )
+        if fused:
+            return _LinearAccumulate.apply(x, self.weight, self.bias)
+        return super().forward(x)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: Tensor, start: int = 0, context: LayerContext | None = None) -> Tensor:
         b, length, hidden = x.shape
@@ -50,8 +107,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
-        self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
+        self.fc = Linear(cfg.hidden, 4 * cfg.hidden)
+        self.proj = Linear(4 * cfg.hidden, cfg.hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(F.gelu(self.fc(x)))
