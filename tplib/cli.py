@@ -4,6 +4,7 @@ Commands:
 
 - ``profile``: time one pipeline stage on this machine and save a :class:`~tplib.perfmodel.Profile`.
 - ``plan``: run the DP planner on a saved profile and compare with the best uniform slicing.
+- ``bench``: train iterations of a schedule on local processes; median latency and overhead.
 
 Each command is one small function from parsed arguments to an exit code; add a command
 by writing one and registering it in :func:`build_parser`. Bad input (a ``ValueError``
@@ -99,9 +100,40 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from tplib.bench import bench  # starts processes: import only when asked
+    from tplib.runtime import RunConfig
+
+    if args.schedule == "gpipe" and args.slices != 1:
+        raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
+    run = RunConfig(
+        model=args.model, schedule=args.schedule, n_stages=args.stages,
+        n_replicas=args.replicas, batch=args.batch, seq_len=args.seq_len,
+        n_slices=args.slices, steps=args.iters, warmup=args.warmup,
+        timeout_s=args.timeout, threads=args.threads or 0,
+    )  # fmt: skip
+    result = bench(run)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(
+        f"{run.schedule}: {run.model}, K={run.n_stages}, R={run.n_replicas}, B={run.batch}, "
+        f"L={run.seq_len}, plan {result.plan}"
+    )
+    print(
+        f"  median iteration latency {result.median_latency_s:.4f} s over {result.iterations} "
+        f"iterations (mean {result.latency_mean_s:.4f} ± {result.latency_std_s:.4f})"
+    )
+    print(
+        f"  busiest stage compute {result.busiest_compute_s:.4f} s; "
+        f"runtime overhead {result.overhead_s:.4f} s"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tplib", description="TeraPipe kit: profile a pipeline stage, plan the slicing."
+        prog="tplib", description="TeraPipe kit: profile, plan and benchmark pipelines."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -135,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-slice", type=int, help="largest batch slice allowed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("bench", help="time a schedule on local processes (the real runtime)")
+    p.add_argument("--schedule", required=True, help="gpipe, terapipe or 1f1b")
+    p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
+    p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
+    p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")
+    p.add_argument("--slices", type=int, default=1, help="equal token slices per sequence")
+    p.add_argument("--model", default="small", help="named config (default small)")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--timeout", type=float, default=300.0, help="communication timeout, s")
+    p.add_argument("--threads", type=int, help="torch threads per process")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_bench)
     return parser
 
 

@@ -17,6 +17,7 @@ This module holds the per-process logic only; :mod:`tplib.launch` starts the pro
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ def balanced_stages(n_layer: int, n_stages: int) -> tuple[tuple[int, int], ...]:
     bounds = [0]
     for k in range(n_stages):
         bounds.append(bounds[-1] + q + (1 if k < r else 0))
-    return tuple(zip(bounds, bounds[1:], strict=False))
+    return tuple(itertools.pairwise(bounds))
 
 
 @dataclass(frozen=True)
