@@ -89,3 +89,28 @@ def test_run_config_round_trips_through_json() -> None:
     assert run_config_from_dict(run_config_to_dict(run)) == run
     with pytest.raises(ValueError, match=r"unknown RunConfig fields \['stagez'\]"):
         run_config_from_dict({"stagez": 2})
+
+
+def test_torchrun_entry_point_writes_results(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from tplib.launch import save_run_config
+
+    run = RunConfig(n_stages=2, batch=2, seq_len=16, n_slices=2, steps=2, timeout_s=60)
+    save_run_config(run, tmp_path / "run.json")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "result.pt"
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "tplib.launch",
+         "--config", str(tmp_path / "run.json"), "--out", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = torch.load(out, weights_only=False)
+    assert [r.stage for r in saved["ranks"]] == [0, 1]
+    assert len(saved["ranks"][1].losses) == 2
+    assert not list(tmp_path.glob("*.tmp"))
