@@ -20,8 +20,11 @@ test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# MODE=simulate|measure|all (default simulate); FORCE=1 reruns notebooks whose results exist.
+MODE  ?= simulate
+FORCE ?=
 reproduce: $(STAMP)
-	$(PY) scripts/bench_slicing.py --repeats 5
+	$(PY) -m tplib reproduce --mode $(MODE) $(if $(filter 1,$(FORCE)),--force,)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_slicing.py

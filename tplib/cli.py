@@ -58,7 +58,78 @@ def _best_uniform(prof: Profile, seq_len: int, batch: int, n_stages: int, g: int
     return min(plans, key=lambda p: pipeline_latency(p, prof, n_stages))
 
 
+def _plan_setting(args: argparse.Namespace) -> int:
+    """Plan a paper setting on the V100-cluster model (tplib.cluster)."""
+    from tplib import experiments
+    from tplib.paper import setting
+
+    s = setting(args.setting, args.seq_len)
+    cost = experiments.cost_model(s)
+    t0 = time.perf_counter()
+    p = experiments.plan_terapipe(s, method=args.method, eps=args.eps)
+    plan_seconds = time.perf_counter() - t0
+    uni = best_uniform(cost, s.seq_len, s.pipeline_batch, s.n_stages, 1, experiments.GRANULARITY)
+    latency = pipeline_latency(p, cost, s.n_stages)
+    uni_latency = pipeline_latency(uni, cost, s.n_stages)
+    out = {
+        "setting": args.setting, "model": s.model, "cost_model": "V100 cluster (tplib.cluster)",
+        "method": args.method, "seq_len": s.seq_len, "batch": s.pipeline_batch,
+        "n_stages": s.n_stages, "n_op": s.n_op, "n_data": s.n_data, "eps": args.eps,
+        "batch_slices": list(p.batch_slices), "token_slices": [list(t) for t in p.token_slices],
+        "paper": p.to_paper(), "latency": latency, "objective": p.latency, "t_max": p.t_max,
+        "plan_seconds": plan_seconds,
+        "uniform": {"paper": uni.to_paper(), "latency": uni_latency},
+        "speedup_vs_uniform": uni_latency / latency,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"setting ({args.setting}) {s.model}: L={s.seq_len}, B={s.pipeline_batch} per pipeline, "
+          f"K={s.n_stages}, #Op={s.n_op}, #Data={s.n_data}; V100-cluster model")  # fmt: skip
+    print(f"  plan ({args.method}): {out['paper']}")
+    print(f"  predicted latency {latency:.4f} s (planned in {plan_seconds:.3f} s)")
+    print(f"  best uniform: {uni.to_paper()}: {uni_latency:.4f} s ({uni_latency / latency:.3f}x)")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tplib import experiments
+
+    r = experiments.simulate_setting(
+        args.setting, seq_len=args.seq_len, method=args.method, eps=args.eps
+    )
+    if args.json:
+        print(json.dumps(r, default=float))
+        return 0
+    print(f"setting ({args.setting}) {r['model']}: L={r['seq_len']}, B={r['batch']} per pipeline, "
+          f"K={r['n_stages']}, #Op={r['n_op']}, #Data={r['n_data']} (simulated V100 cluster)")  # fmt: skip
+    print(f"  w/o TeraPipe (GPipe): {r['latency_gpipe']:.4f} s")
+    print(f"  w/  TeraPipe (DP):    {r['latency_terapipe']:.4f} s  plan {r['plan']}")
+    print(f"  speedup {r['speedup']:.2f}x; TFLOPS per GPU {r['tflops_per_gpu']:.3f}")
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from tplib import reproduce
+
+    jobs = reproduce.default_jobs(args.mode)
+    if args.only:
+        jobs = [j for j in jobs if j.notebook in args.only]
+    ran = reproduce.run_jobs(jobs, force=args.force)
+    print(
+        f"ran {len(ran)} of {len(jobs)} notebooks; results in {reproduce.repo_root() / 'results'}"
+    )
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
+    if (args.profile is None) == (args.setting is None):
+        raise ValueError("give exactly one of --profile FILE or --setting N")
+    if args.setting is not None:
+        return _plan_setting(args)
+    for name in ("seq_len", "batch", "stages"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required with --profile")
     try:
         prof = Profile.load(args.profile)
     except OSError as exc:
@@ -157,10 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_profile)
 
     p = sub.add_parser("plan", help="plan the slicing from a saved profile")
-    p.add_argument("--profile", required=True, help="profile file (from `tplib profile`)")
-    p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")
-    p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
-    p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
+    p.add_argument("--profile", help="profile file (from `tplib profile`)")
+    p.add_argument("--setting", type=int, help="paper setting 1..10, on the V100-cluster model")
+    p.add_argument("--seq-len", type=int, help="L: tokens per sequence")
+    p.add_argument("--batch", type=int, help="B: sequences per iteration")
+    p.add_argument("--stages", type=int, help="K: pipeline stages")
     p.add_argument("--eps", type=float, default=0.0, help="t_max tolerance, s (0: exact)")
     p.add_argument("--method", choices=("exact", "paper"), default="exact")
     p.add_argument("--granularity", type=int, help="g (default: the profile's)")
@@ -182,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads per process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("simulate", help="a paper setting with and without TeraPipe, simulated")
+    p.add_argument("--setting", type=int, required=True, help="paper setting 1..10 (Table 1)")
+    p.add_argument("--seq-len", type=int, help="longer sequences as in Table 4 (setting 5)")
+    p.add_argument("--method", choices=("exact", "paper"), default="exact")
+    p.add_argument("--eps", type=float, default=1e-4, help="t_max tolerance, s")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("reproduce", help="execute the table notebooks with papermill")
+    p.add_argument("--mode", choices=("simulate", "measure", "all"), default="simulate")
+    p.add_argument("--only", nargs="*", help="notebook names (default: all)")
+    p.add_argument("--force", action="store_true", help="rerun even where results exist")
+    p.set_defaults(func=_reproduce)
     return parser
 
 

@@ -45,7 +45,11 @@ from tplib.simulate import SimResult, simulate_plan
 __all__ = [
     "EPS",
     "GRANULARITY",
+    "SPEEDUP_TOLERANCE",
     "cost_model",
+    "describe_ablation_targets",
+    "describe_main_targets",
+    "describe_seqlen_targets",
     "dp_ablation",
     "main_results",
     "paper_flops",
@@ -220,6 +224,80 @@ def paper_plans_on_cluster(settings: Iterable[int] = range(1, 11),
             "err_speedup": _rel(lat_g / lat_t, g.latency / t.latency),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+# ---- the targets, checked on the data -----------------------------------------------------
+
+SPEEDUP_TOLERANCE = 0.20  # predicted speedup within +-20% of the paper's
+
+
+def _longer_first(scheme: str) -> bool:
+    """Whether every batch slice's token slices do not grow from first to last half."""
+    p = Plan.from_paper(scheme)
+    for ts in p.token_slices:
+        half = len(ts) // 2
+        if half and sum(ts[:half]) / half < sum(ts[-half:]) / half:
+            return False
+    return True
+
+
+def _speedup_lines(df: pd.DataFrame, key: str) -> list[str]:
+    lines = []
+    misses = df[df.err_speedup.abs() > SPEEDUP_TOLERANCE]
+    lines.append(
+        f"- speedup within ±{SPEEDUP_TOLERANCE:.0%} of the paper: "
+        f"{len(df) - len(misses)} of {len(df)} rows; "
+        f"largest error {df.err_speedup.abs().max():.1%}."
+    )
+    for _, r in misses.iterrows():
+        lines.append(
+            f"  - **miss** {key} {r[key]}: ours {r.speedup:.2f}x, paper {r.paper_speedup:.2f}x "
+            f"({r.err_speedup:+.1%}); our plan `{r.plan}`, the paper's `{r.paper_plan}`"
+        )
+    shaped = [_longer_first(x) for x in df.plan]
+    lines.append(
+        f"- DP plans with longer slices first (mean of the first half >= the last half): "
+        f"{sum(shaped)} of {len(df)}."
+    )
+    return lines
+
+
+def describe_main_targets(df: pd.DataFrame) -> str:
+    """Markdown: which main-results rows meet the ±20% speedup target and the plan shape."""
+    return "\n".join(_speedup_lines(df, "setting"))
+
+
+def describe_seqlen_targets(df: pd.DataFrame) -> str:
+    """Markdown: the sequence-length sweep's rows against the ±20% speedup target."""
+    return "\n".join(_speedup_lines(df, "seq_len"))
+
+
+def describe_ablation_targets(df: pd.DataFrame) -> str:
+    """Markdown: does each setting keep the paper's ordering (one slice worst, very fine
+    slicing bad again, the DP best)?"""
+    lines = []
+    for n, part in df.groupby("setting", sort=False):
+        uni = part[part.algorithm != "DP"]
+        n_slices = uni.algorithm.str.extract(r"=(\d+)")[0].astype(int)
+        one = float(uni.latency[n_slices == 1].iloc[0])
+        finest = float(uni.latency[n_slices == n_slices.max()].iloc[0])
+        best_uniform = float(uni.latency.min())
+        dp = float(part.latency[part.algorithm == "DP"].iloc[0])
+        checks = {
+            "one slice is worst": one >= part.latency.max(),
+            f"the finest slicing (#slices={n_slices.max()}) is worse than the best uniform": (
+                finest > best_uniform
+            ),
+            "the DP is best": dp <= best_uniform,
+        }
+        same_order = list(part.sort_values("latency").algorithm) == list(
+            part.sort_values("paper_latency").algorithm
+        )
+        lines.append(f"- setting ({n}): DP {dp:.3f} s vs best uniform {best_uniform:.3f} s "
+                     f"({best_uniform / dp:.2f}x); full ranking identical to the paper's: "
+                     f"{'yes' if same_order else 'no'}")  # fmt: skip
+        lines += [f"  - {'met' if ok else '**not met**'}: {name}" for name, ok in checks.items()]
+    return "\n".join(lines)
 
 
 def _main() -> None:

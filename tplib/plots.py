@@ -1,4 +1,5 @@
-"""Plots of pipeline timelines, simulated or measured (the paper's Figure 2 style).
+"""Plots: pipeline timelines (the paper's Figure 2) and the reproduced tables'
+figures (Figures 5, 6 and 7), with the paper's values beside ours.
 
 :func:`plot_timeline` takes a DataFrame with the trace columns of
 :data:`tplib.simulate.TIMELINE_COLUMNS` (``rank, stage, replica, kind, b, t, start,
@@ -20,7 +21,12 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-__all__ = ["plot_timeline"]
+__all__ = [
+    "dp_ablation_figure",
+    "main_results_figure",
+    "plot_timeline",
+    "seqlen_figure",
+]
 
 _COMM = ("SA", "RA", "SG", "RG")
 _STEP_COLORS = {"AR": "0.45", "OPT": "0.75"}
@@ -100,3 +106,104 @@ def plot_timeline(
         handles.append(Patch(facecolor="black", alpha=0.6, label="send / receive"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return ax
+
+
+# ---- the tables' figures ----------------------------------------------------------------
+
+_SERIES_COLORS = {
+    "paper, w/o TeraPipe": "#9ecae1",
+    "paper, w/ TeraPipe": "#3182bd",
+    "ours, w/o TeraPipe": "#fdae6b",
+    "ours, w/ TeraPipe": "#e6550d",
+}
+
+
+def _latency_long(df: pd.DataFrame, x: str) -> pd.DataFrame:
+    """Long form: one row per (x, series) with the latency of that series."""
+    parts = []
+    for col, series in (
+        ("paper_latency_gpipe", "paper, w/o TeraPipe"),
+        ("paper_latency_terapipe", "paper, w/ TeraPipe"),
+        ("latency_gpipe", "ours, w/o TeraPipe"),
+        ("latency_terapipe", "ours, w/ TeraPipe"),
+    ):
+        parts.append(pd.DataFrame({x: df[x], "series": series, "latency (s)": df[col]}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def _speedup_panel(ax: Axes, df: pd.DataFrame, x: str, band: float = 0.2) -> None:
+    long = pd.concat(
+        [
+            pd.DataFrame({x: df[x], "source": "paper", "speedup": df["paper_speedup"]}),
+            pd.DataFrame({x: df[x], "source": "ours", "speedup": df["speedup"]}),
+        ],
+        ignore_index=True,
+    )
+    sns.barplot(long, x=x, y="speedup", hue="source", palette=["#3182bd", "#e6550d"], ax=ax)
+    # The target: our speedup within +-20% of the paper's, drawn around the paper's bar.
+    for i, value in enumerate(df["paper_speedup"]):
+        ax.plot([i - 0.4, i], [value * (1 - band)] * 2, color="0.3", lw=0.8)
+        ax.plot([i - 0.4, i], [value * (1 + band)] * 2, color="0.3", lw=0.8)
+    ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+    ax.set_ylabel("speedup of TeraPipe over GPipe")
+    ax.legend(title=None, fontsize=8)
+
+
+def main_results_figure(df: pd.DataFrame) -> plt.Figure:
+    """Figure 5: iteration latency of every setting w/o and w/ TeraPipe, paper and ours."""
+    df = df.assign(label=[f"({s})\n{m}" for s, m in zip(df.setting, df.model, strict=True)])
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.1 * len(df)), 7))
+    sns.barplot(
+        _latency_long(df, "label"), x="label", y="latency (s)", hue="series",
+        palette=_SERIES_COLORS, ax=ax1,
+    )  # fmt: skip
+    ax1.set_yscale("log")
+    ax1.set_xlabel("")
+    ax1.set_title("Training iteration latency (Figure 5): paper vs reproduced")
+    ax1.legend(title=None, fontsize=8, ncols=2)
+    _speedup_panel(ax2, df, "label")
+    ax2.set_xlabel("setting (Table 1)")
+    ax2.set_title("Speedup; ticks mark the paper's value ±20%")
+    fig.tight_layout()
+    return fig
+
+
+def dp_ablation_figure(df: pd.DataFrame) -> plt.Figure:
+    """Figure 6: uniform #slices against the DP, one panel per setting, paper and ours."""
+    settings = list(dict.fromkeys(df.setting))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, n in zip(axes[0], settings, strict=True):
+        part = df[df.setting == n]
+        long = pd.concat(
+            [
+                pd.DataFrame({"algorithm": part.algorithm, "source": "paper", "latency (s)": part.paper_latency}),
+                pd.DataFrame({"algorithm": part.algorithm, "source": "ours", "latency (s)": part.latency}),
+            ],
+            ignore_index=True,
+        )  # fmt: skip
+        sns.barplot(long, x="algorithm", y="latency (s)", hue="source",
+                    palette=["#3182bd", "#e6550d"], ax=ax)  # fmt: skip
+        ax.set_title(f"({n}) {part.model.iloc[0]}: uniform slicing vs DP (Figure 6)")
+        ax.tick_params(axis="x", rotation=45)
+        ax.set_xlabel("")
+        ax.legend(title=None, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def seqlen_figure(df: pd.DataFrame) -> plt.Figure:
+    """Figure 7: GPT3-13B at growing sequence length, w/o and w/ TeraPipe, paper and ours."""
+    df = df.assign(label=[f"L={s}\nB={b}" for s, b in zip(df.seq_len, df.batch, strict=True)])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    sns.barplot(
+        _latency_long(df, "label"), x="label", y="latency (s)", hue="series",
+        palette=_SERIES_COLORS, ax=ax1,
+    )  # fmt: skip
+    ax1.set_xlabel("")
+    ax1.set_title("GPT3-13B, setting (5): latency (Figure 7)")
+    ax1.legend(title=None, fontsize=8)
+    _speedup_panel(ax2, df, "label")
+    ax2.set_xlabel("")
+    ax2.set_title("Speedup; ticks mark the paper's value ±20%")
+    fig.tight_layout()
+    return fig
