@@ -126,5 +126,30 @@ def test_profile_on_missing_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--seq-len", "64"]) == 2
-    assert "required" in capsys.readouterr().err
+    assert "give exactly one of --profile FILE or --setting N" in capsys.readouterr().err
+    assert main(["plan", "--profile", "p.json", "--seq-len", "64", "--batch", "1"]) == 2
+    assert "--stages is required with --profile" in capsys.readouterr().err
     assert main([]) == 2
+
+
+def test_plan_a_paper_setting_on_the_cluster_model(capsys) -> None:
+    assert main(["plan", "--setting", "10", "--eps", "1e-4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "GPT3-175B" and out["n_stages"] == 48
+    assert sum(out["batch_slices"]) == 2
+    assert all(sum(ts) == 2048 for ts in out["token_slices"])
+    assert out["latency"] <= out["uniform"]["latency"] * (1 + 1e-9)
+
+
+def test_simulate_a_paper_setting(capsys) -> None:
+    assert main(["simulate", "--setting", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["latency_terapipe"] < out["latency_gpipe"]
+    assert out["speedup"] == out["latency_gpipe"] / out["latency_terapipe"]
+
+
+def test_plan_needs_exactly_one_cost_source(capsys) -> None:
+    assert main(["plan", "--setting", "10", "--profile", "x.json"]) == 2
+    assert "exactly one of --profile FILE or --setting N" in capsys.readouterr().err
+    assert main(["plan", "--setting", "11"]) == 2
+    assert "setting (11) is not in Table 1" in capsys.readouterr().err
