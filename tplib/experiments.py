@@ -140,6 +140,19 @@ def _rel(ours: float, paper: float) -> float:
     return ours / paper - 1.0
 
 
+def _beside_paper(r: dict[str, object], g: PaperResult, t: PaperResult) -> dict[str, object]:
+    """Our simulated row ``r`` with the paper's w/o (``g``) and w/ (``t``) TeraPipe values
+    and the relative errors."""
+    return r | {
+        "paper_latency_gpipe": g.latency, "paper_latency_terapipe": t.latency,
+        "paper_speedup": g.latency / t.latency, "paper_tflops_per_gpu": t.tflops,
+        "paper_plan": t.scheme,
+        "err_latency_gpipe": _rel(r["latency_gpipe"], g.latency),
+        "err_latency_terapipe": _rel(r["latency_terapipe"], t.latency),
+        "err_speedup": _rel(r["speedup"], g.latency / t.latency),
+    }  # fmt: skip
+
+
 def main_results(
     settings: Iterable[int] = range(1, 11), method: Method = "exact", eps: float = EPS,
     calibration: Calibration = CALIBRATION,
@@ -148,16 +161,7 @@ def main_results(
     rows = []
     for n in settings:
         r = simulate_setting(n, method=method, eps=eps, calibration=calibration)
-        g, t = main_row(n, GPIPE), main_row(n, TERAPIPE)
-        r |= {
-            "paper_latency_gpipe": g.latency, "paper_latency_terapipe": t.latency,
-            "paper_speedup": g.latency / t.latency, "paper_tflops_per_gpu": t.tflops,
-            "paper_plan": t.scheme,
-            "err_latency_gpipe": _rel(r["latency_gpipe"], g.latency),
-            "err_latency_terapipe": _rel(r["latency_terapipe"], t.latency),
-            "err_speedup": _rel(r["speedup"], g.latency / t.latency),
-        }  # fmt: skip
-        rows.append(r)
+        rows.append(_beside_paper(r, main_row(n, GPIPE), main_row(n, TERAPIPE)))
     return pd.DataFrame(rows)
 
 
@@ -196,15 +200,7 @@ def seqlen_sweep(
     rows = []
     for seq_len in seq_lens:
         r = simulate_setting(5, seq_len=seq_len, method=method, eps=eps, calibration=calibration)
-        g, t = seqlen_row(seq_len, GPIPE), seqlen_row(seq_len, TERAPIPE)
-        r |= {
-            "paper_latency_gpipe": g.latency, "paper_latency_terapipe": t.latency,
-            "paper_speedup": g.latency / t.latency, "paper_plan": t.scheme,
-            "err_latency_gpipe": _rel(r["latency_gpipe"], g.latency),
-            "err_latency_terapipe": _rel(r["latency_terapipe"], t.latency),
-            "err_speedup": _rel(r["speedup"], g.latency / t.latency),
-        }  # fmt: skip
-        rows.append(r)
+        rows.append(_beside_paper(r, seqlen_row(seq_len, GPIPE), seqlen_row(seq_len, TERAPIPE)))
     return pd.DataFrame(rows)
 
 
