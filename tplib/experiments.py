@@ -32,6 +32,7 @@ from tplib.paper import (
     GPIPE,
     SEQLEN_BATCH,
     TERAPIPE,
+    PaperResult,
     Setting,
     ablation_rows,
     main_row,
