@@ -324,6 +324,25 @@ def describe_ablation_targets(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def describe_measured(df: pd.DataFrame) -> str:
+    """Markdown for measure mode: the measured effect and how well the simulator predicted
+    each measurement (``err_latency*`` = simulated / measured median - 1)."""
+    errs = df[[c for c in df.columns if c.startswith("err_latency")]].abs()
+    lines = [f"- simulator vs measured median latency: largest error {errs.max().max():.1%}, "
+             f"mean {errs.mean().mean():.1%} over {errs.size} measurements."]  # fmt: skip
+    if "speedup" in df.columns:
+        key = "batch" if df.batch.nunique() > 1 else "seq_len"
+        for _, r in df.iterrows():
+            lines.append(f"- {key}={r[key]}: TeraPipe {r.speedup:.2f}x faster than GPipe "
+                         f"(simulated {r.simulated_speedup:.2f}x); plan `{r.plan}`")  # fmt: skip
+    else:
+        best = df.loc[df.latency_median.idxmin()]
+        lines.append(f"- fastest measured: {best.algorithm} ({best.latency_median:.3f} s); "
+                     f"the simulator ranks the rows {list(df.simulated_rank)}, "
+                     f"the measurements {list(df['rank'])}.")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _main() -> None:
     pd.set_option("display.width", 200, "display.max_columns", 30, "display.max_colwidth", 70)
     t0 = time.perf_counter()

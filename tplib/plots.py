@@ -24,6 +24,8 @@ from matplotlib.patches import Patch
 __all__ = [
     "dp_ablation_figure",
     "main_results_figure",
+    "measured_ablation_figure",
+    "measured_figure",
     "plot_timeline",
     "seqlen_figure",
 ]
@@ -205,5 +207,64 @@ def seqlen_figure(df: pd.DataFrame) -> plt.Figure:
     _speedup_panel(ax2, df, "label")
     ax2.set_xlabel("")
     ax2.set_title("Speedup; ticks mark the paper's value ±20%")
+    fig.tight_layout()
+    return fig
+
+
+# ---- measured (real processes) beside simulated -------------------------------------------
+
+
+def _bars_with_error(ax: Axes, labels: list[str], series: dict[str, tuple], width: float) -> None:
+    """Grouped bars; ``series`` maps a name to (values, errors or None, colour)."""
+    x = np.arange(len(labels))
+    n = len(series)
+    for i, (name, (values, errors, color)) in enumerate(series.items()):
+        offset = (i - (n - 1) / 2) * width
+        ax.bar(x + offset, values, width, yerr=errors, color=color, label=name, capsize=3)
+    ax.set_xticks(x, labels)
+
+
+def measured_figure(df: pd.DataFrame, x: str) -> plt.Figure:
+    """Measure mode of Tables 2 and 4: measured latency (mean ± std over the timed
+    iterations) of GPipe and TeraPipe at each ``x`` (batch or seq_len), each beside the
+    simulator's prediction from the locally profiled costs; and both speedups."""
+    labels = [f"{x}={v}" for v in df[x]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    _bars_with_error(ax1, labels, {
+        "measured, w/o TeraPipe": (df.latency_gpipe, df.latency_gpipe_std, "#fdae6b"),
+        "simulated, w/o TeraPipe": (df.simulated_latency_gpipe, None, "#fee6ce"),
+        "measured, w/ TeraPipe": (df.latency_terapipe, df.latency_terapipe_std, "#e6550d"),
+        "simulated, w/ TeraPipe": (df.simulated_latency_terapipe, None, "#fdd0a2"),
+    }, width=0.2)  # fmt: skip
+    ax1.set_ylabel("iteration latency (s)")
+    ax1.set_title(
+        f"Measured on this machine vs simulated ({df.model.iloc[0]}, K={df.n_stages.iloc[0]})"
+    )
+    ax1.legend(fontsize=8)
+    _bars_with_error(ax2, labels, {
+        "measured": (df.speedup, None, "#e6550d"),
+        "simulated": (df.simulated_speedup, None, "#fdd0a2"),
+    }, width=0.35)  # fmt: skip
+    ax2.axhline(1.0, color="0.5", lw=0.8, ls=":")
+    ax2.set_ylabel("speedup of TeraPipe over GPipe")
+    ax2.set_title("Speedup: measured vs simulated")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def measured_ablation_figure(df: pd.DataFrame) -> plt.Figure:
+    """Measure mode of Table 3: uniform #slices and the DP, measured (mean ± std) beside
+    the simulator's prediction."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(df)), 4))
+    _bars_with_error(ax, list(df.algorithm), {
+        "measured": (df.latency, df.latency_std, "#e6550d"),
+        "simulated": (df.simulated_latency, None, "#fdd0a2"),
+    }, width=0.35)  # fmt: skip
+    ax.set_ylabel("iteration latency (s)")
+    ax.set_title(f"Uniform slicing vs DP, measured vs simulated ({df.model.iloc[0]}, "
+                 f"L={df.seq_len.iloc[0]}, B={df.batch.iloc[0]})")  # fmt: skip
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
