@@ -54,6 +54,7 @@ __all__ = [
     "WorkerError",
     "launch",
     "load_run_config",
+    "measure_link",
     "run_config_from_dict",
     "run_config_to_dict",
     "save_run_config",
@@ -275,6 +276,106 @@ def launch(run: RunConfig) -> RunResult:
     backend = "nccl" if run.device == "cuda" else "gloo"
     with LocalPool(run.world_size, backend=backend, timeout_s=run.timeout_s) as pool:
         return pool.run(run)
+
+
+# ---- link measurement --------------------------------------------------------------------
+
+
+def _ping_pong_worker(
+    rank: int, port: int, backend: str, sizes: list[int], repeats: int, results: Any
+) -> None:
+    try:
+        torch.set_num_threads(1)  # copying bytes needs no thread pool
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        one_way = []
+        for n in sizes:
+            buf = torch.zeros(max(1, n // 4), dtype=torch.float32, device=device)
+            times = []
+            for i in range(repeats + 2):  # two untimed round trips set the connection up
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) / 2)
+            # The least time: a round trip is only ever slowed down by other work.
+            one_way.append(min(times))
+        if rank == 0:
+            results.put(("ok", one_way))
+        dist.barrier()
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def measure_link(
+    n_bytes_list: tuple[int, ...] = (2**10, 2**14, 2**17, 2**20, 2**22),
+    repeats: int = 10, backend: str = "gloo", timeout_s: float = 120.0,
+) -> tuple[float, float]:  # fmt: skip
+    """Bandwidth (bytes/s) and latency (s) of the link between two local processes,
+    from a ping-pong: the one-way time of each message size is half the least round-trip
+    time over ``repeats``, and ``latency + n_bytes / bandwidth`` is fitted to them by
+    least squares on relative errors. ``backend`` "gloo" times CPU tensors over
+    loopback, "nccl" GPU tensors. Takes a few seconds, mostly the two processes' start."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU) or 'nccl' (GPU)")
+    sizes = sorted({int(n) for n in n_bytes_list})
+    if len(sizes) < 2 or sizes[0] < 4 or repeats < 1:
+        raise ValueError(
+            f"n_bytes_list={n_bytes_list}, repeats={repeats}: the fit needs at least two "
+            "distinct message sizes of >= 4 bytes and at least one repeat"
+        )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_ping_pong_worker, args=(r, port, backend, sizes, repeats, results), daemon=True
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = results.get(timeout=timeout_s)
+    except queue.Empty:
+        raise WorkerError(f"link measurement did not finish within {timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if status == "error":
+        raise WorkerError(f"link measurement failed:\n{payload}")
+    n_bytes = torch.tensor([4 * max(1, n // 4) for n in sizes], dtype=torch.float64)
+    seconds = torch.tensor(payload, dtype=torch.float64)
+    # Relative residuals: small messages pin the latency, large ones the bandwidth, and an
+    # absolute fit would let the largest message's noise swamp the latency.
+    design = torch.stack([torch.ones_like(n_bytes), n_bytes], dim=1) / seconds[:, None]
+    latency, per_byte = (
+        torch.linalg.lstsq(design, torch.ones_like(seconds)[:, None]).solution[:, 0].tolist()
+    )
+    # Timing noise can tilt the fit: the slope between the extreme sizes is always sane,
+    # and the smallest message's time bounds the latency from above.
+    if per_byte <= 0:
+        per_byte = max(float(seconds[-1] - seconds[0]), 1e-12) / float(n_bytes[-1] - n_bytes[0])
+    if latency <= 0:
+        latency = max(float(seconds[0] - n_bytes[0] * per_byte), float(seconds[0]) / 2)
+    return 1.0 / per_byte, latency
 
 
 # ---- torchrun entry point ---------------------------------------------------------------
