@@ -20,8 +20,9 @@ test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# MODE=simulate|measure|all (default simulate); FORCE=1 reruns notebooks whose results exist.
-MODE  ?= simulate
+# MODE=all (simulate, then measure on real local processes) | simulate | measure;
+# FORCE=1 reruns notebooks whose results exist.
+MODE  ?= all
 FORCE ?=
 reproduce: $(STAMP)
 	$(PY) -m tplib reproduce --mode $(MODE) $(if $(filter 1,$(FORCE)),--force,)

@@ -31,6 +31,6 @@ def test_notebook_runs_and_writes_results(tmp_path, notebook: str) -> None:
 
 def test_default_jobs_cover_the_three_tables() -> None:
     names = {j.notebook for j in default_jobs("all")}
-    assert names == set(SMALL)
+    assert names == {*SMALL, "simulator_validation"}
     with pytest.raises(ValueError, match=r"mode='fast'"):
         default_jobs("fast")

@@ -115,6 +115,10 @@ def default_jobs(mode: str = "simulate", root: str | None = None) -> list[Job]:
     for m in modes[mode]:
         for nb in NOTEBOOKS:
             jobs.append(Job(nb, m, {"mode": m}, (f"{nb}-{m}.csv", f"{nb}-{m}.png"), root))
+        if m == "measure":
+            # The simulator against the runtime on this machine (no "mode" parameter).
+            nb = "simulator_validation"
+            jobs.append(Job(nb, m, {}, (f"{nb}-{m}.csv", f"{nb}-{m}.png"), root))
     return jobs
 
 
