@@ -273,8 +273,8 @@ def simulate_shared(
     simulation, which it returns unchanged when the stages and ``busy`` fit in ``cores``."""
     shared = SharedCores(costs)
     sim = simulate(schedule, shared)
-    if threads * schedule.n_stages + busy <= cores:
-        return sim
+    if not np.isfinite(busy) or threads * schedule.n_stages + busy <= cores:
+        return sim  # NaN: the other jobs' load is unknown here
     for _ in range(rounds):
         target = _stretch(sim.timeline, cores, busy, threads)
         change = max((abs(v - shared.scale.get(key, 1.0)) for key, v in target.items()), default=0)
@@ -285,7 +285,7 @@ def simulate_shared(
     return sim
 
 
-def busy_cores(window_s: float = 0.5) -> float:
+def busy_cores(window_s: float = 0.25) -> float:
     """Cores this machine spent busy (or stolen by its hypervisor) over the next
     ``window_s`` seconds, from Linux's ``/proc/stat``; NaN where there is none. Called
     while the pool's processes wait for work, it measures the other jobs' demand."""
