@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SOURCES := tplib tests scripts
 
 .PHONY: all test reproduce lab lint format bench clean
 
@@ -15,13 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
-# pytest exits 5 when it collects no tests; that is not a failure of the suite.
-test: $(STAMP)
+# Lint and type-check first; pytest exits 5 when it collects no tests, which is not a
+# failure of the suite.
+test: lint
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# MODE=all (simulate, then measure on real local processes) | simulate | measure;
-# FORCE=1 reruns notebooks whose results exist.
+# MODE=all (simulate, then measure on real local processes) | simulate | measure.
+# An interrupted run resumes where it stopped; FORCE=1 starts a new run regardless.
 MODE  ?= all
 FORCE ?=
 reproduce: $(STAMP)
@@ -34,12 +36,13 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tplib tests scripts
-	$(VENV)/bin/ruff format --check tplib tests scripts
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format tplib tests scripts
-	$(VENV)/bin/ruff check --fix tplib tests scripts
+	$(VENV)/bin/ruff format $(SOURCES)
+	$(VENV)/bin/ruff check --fix $(SOURCES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis .mypy_cache

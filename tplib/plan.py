@@ -21,7 +21,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-__all__ = ["Plan", "Unit"]
+__all__ = ["Plan", "Unit", "grid_size"]
+
+
+def grid_size(seq_len: int, granularity: int) -> int:
+    """``n = L / g``: the number of grid steps when slice lengths are multiples of ``g``
+    tokens (the planner's and the profiler's grid). Raises ``ValueError`` unless ``g``
+    divides ``L``."""
+    if granularity < 1 or seq_len < granularity or seq_len % granularity:
+        raise ValueError(
+            f"seq_len L={seq_len} is not a positive multiple of granularity g={granularity}: "
+            "slice lengths lie on a grid of g tokens, so pick a g that divides L"
+        )
+    return seq_len // granularity
 
 
 @dataclass(frozen=True, order=True)

@@ -1,0 +1,59 @@
+"""Atomic result files: a reader never sees half of one.
+
+Every file tplib writes (CSV tables, figures, profiles, run manifests, results of a
+torchrun job) goes through :func:`atomic_write`: the content is written to a temporary
+file in the destination's folder and renamed into place only when complete, so an
+interrupted run leaves either the old file or the new one, never a truncated one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+__all__ = ["atomic_write", "save_figure", "write_csv", "write_json", "write_text"]
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, flush it to disk, then
+    rename it into place. On any error the temporary file is removed and ``path`` is
+    left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary name keeps the suffix: writers such as savefig pick the format by it.
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> Path:
+    return write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def write_csv(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
+    return atomic_write(path, lambda tmp: df.to_csv(tmp, index=False))
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 150) -> Path:
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight"))
