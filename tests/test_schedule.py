@@ -1,4 +1,5 @@
-"""Tests for tplib.schedule: generators, communication pass, validator, replay, CSV."""
+"""Tests for tplib.schedule: typed actions, generators, the completing passes, validator,
+replay, grid and CSV."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tplib.schedule as schedule_module
+import tplib.schedule.generators as generators_module
 from tplib.plan import Plan
 from tplib.schedule import (
     SCHEDULES,
+    UPDATE,
     Action,
+    Kind,
     Schedule,
     ScheduleError,
     add_communication,
+    add_update,
     format_grid,
     gpipe,
     make_schedule,
@@ -66,9 +70,9 @@ def with_stage(s: Schedule, k: int, acts: list[Action]) -> Schedule:
 
 
 def from_compute(n_stages: int, plan: Plan, orders: list[list[str]]) -> Schedule:
-    """A schedule from hand-written compute orders, with communication added."""
+    """A schedule from hand-written compute orders, with communication and update added."""
     acts = [[Action.parse(text, k) for text in order] for k, order in enumerate(orders)]
-    return add_communication(Schedule("hand", n_stages, plan, tuple(map(tuple, acts))))
+    return add_update(add_communication(Schedule("hand", n_stages, plan, tuple(map(tuple, acts)))))
 
 
 def assert_caught(s: Schedule, marked: str, *words: str) -> ScheduleError:
@@ -117,11 +121,11 @@ def test_gpipe_exact() -> None:
     s = gpipe(2, Plan.gpipe(batch=2, seq_len=4))
     assert [str(a) for a in s.actions[0]] == [
         "F b0 t0", "SA b0 t0", "F b1 t0", "SA b1 t0",
-        "RG b1 t0", "B b1 t0", "RG b0 t0", "B b0 t0",
+        "RG b1 t0", "B b1 t0", "RG b0 t0", "B b0 t0", "AR", "OPT",
     ]  # fmt: skip
     assert [str(a) for a in s.actions[1]] == [
         "RA b0 t0", "F b0 t0", "RA b1 t0", "F b1 t0",
-        "B b1 t0", "SG b1 t0", "B b0 t0", "SG b0 t0",
+        "B b1 t0", "SG b1 t0", "B b0 t0", "SG b0 t0", "AR", "OPT",
     ]  # fmt: skip
 
 
@@ -172,7 +176,7 @@ def test_1f1b_warmup(n_stages: int, plan: Plan) -> None:
     s = one_f_one_b(n_stages, plan)
     for k in range(n_stages):
         kinds = [a.kind for a in s.compute_actions(k)]
-        leading = kinds.index("B")
+        leading = kinds.index(Kind.B)
         warmup = (n_stages - k - 1) + (plan.n_token_slices(0) - 1)
         # The warmup forwards, then the steady state opens with one more forward.
         assert leading == min(warmup + 1, plan.n_units)
@@ -180,7 +184,7 @@ def test_1f1b_warmup(n_stages: int, plan: Plan) -> None:
 
 def test_docstring_tables_match_generators() -> None:
     plan = Plan.from_paper("[(1, [2, 2])] * 3")
-    doc = schedule_module.__doc__ or ""
+    doc = generators_module.__doc__ or ""
     for name in ("terapipe", "1f1b"):
         assert textwrap.indent(format_grid(SCHEDULES[name](2, plan)), "    ") in doc
 
@@ -209,6 +213,14 @@ def test_stage_count_must_be_positive(name: str) -> None:
 def test_add_communication_wants_compute_only() -> None:
     with pytest.raises(ValueError, match="forwards and backwards only"):
         add_communication(terapipe(2, PLANS[0]))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_stage_ends_with_its_update(name: str) -> None:
+    s = make_schedule(name, 3, PLANS[2])
+    for k, acts in enumerate(s.actions):
+        assert acts[-2:] == (Action(Kind.AR, k), Action(Kind.OPT, k))
+        assert sum(a.kind in UPDATE for a in acts) == 2
 
 
 # ---- mutations the validator must catch ------------------------------------------------
@@ -286,6 +298,16 @@ def test_catches_deadlock() -> None:
         replay(s, lambda a: 1.0)
 
 
+def test_catches_a_missing_or_misplaced_update() -> None:
+    s = terapipe(2, TOKEN_PLAN)
+    without = with_stage(s, 1, list(s.actions[1][:-2]))
+    assert_caught(without, "B b0 t0", "stage 1 must end with AR, OPT")
+    early = with_stage(s, 0, [Action(Kind.AR, 0), *s.actions[0][:-2], Action(Kind.OPT, 0)])
+    assert_caught(early, "B b0 t0", "stage 0 must end with AR, OPT")
+    twice = with_stage(s, 0, [*s.actions[0][:-1], Action(Kind.AR, 0), Action(Kind.OPT, 0)])
+    assert_caught(twice, "B b0 t0", "AR appears twice")
+
+
 def test_catches_receive_from_nowhere_and_foreign_units() -> None:
     s = terapipe(2, TOKEN_PLAN)
     extra = with_stage(s, 0, [Action("RA", 0, 0, 0), *s.actions[0]])
@@ -302,6 +324,10 @@ def test_catches_receive_from_nowhere_and_foreign_units() -> None:
 def test_replay_fill_drain_makespan(n_stages: int) -> None:
     plan = PLANS[3]
     timed = replay(terapipe(n_stages, plan), lambda a: 1.0 if a.kind in "FB" else 0.0)
+    # The update runs last on each stage, after its own last backward.
+    for ta in timed:
+        if ta.action.kind in UPDATE:
+            assert ta.start == max(t.end for t in timed if t.stage == ta.stage)
     assert max(ta.end for ta in timed) == 2 * (plan.n_units + n_stages - 1)
     assert len(timed) == sum(len(acts) for acts in terapipe(n_stages, plan).actions)
 
@@ -326,21 +352,37 @@ def test_format_grid_marks_an_action() -> None:
 
 
 @given(
-    kind=st.sampled_from(schedule_module.KINDS),
+    kind=st.sampled_from(sorted(set(Kind) - UPDATE)),
     stage=st.integers(0, 99),
     b=st.integers(0, 999),
     t=st.integers(0, 999),
 )
-def test_action_text_round_trip(kind: str, stage: int, b: int, t: int) -> None:
+def test_action_text_round_trip(kind: Kind, stage: int, b: int, t: int) -> None:
     a = Action(kind, stage, b, t)
     assert Action.parse(str(a), stage) == a
+
+
+@pytest.mark.parametrize("kind", sorted(UPDATE))
+def test_update_actions_have_no_unit(kind: Kind) -> None:
+    a = Action(kind, 3)
+    assert str(a) == kind.value and Action.parse(kind.value, 3) == a
+    with pytest.raises(ValueError, match="takes no unit"):
+        Action(kind, 0, 0, 0)
+
+
+def test_kinds_are_typed_and_compare_as_text() -> None:
+    assert Action("F", 0, 0, 0).kind is Kind.F  # text is turned into the enum
+    assert Kind.SA == "SA" and f"{Kind.OPT}" == "OPT"
+    assert {k.value for k in Kind} == {"F", "B", "SA", "RA", "SG", "RG", "AR", "OPT"}
 
 
 def test_action_rejects_bad_text() -> None:
     with pytest.raises(ValueError, match="cannot parse"):
         Action.parse("X b0 t0", 0)
-    with pytest.raises(ValueError, match="unknown action kind"):
-        Action("X", 0, 0, 0)
+    with pytest.raises(ValueError, match="unknown action kind 'X'"):
+        Action("X", 0, 0, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-negative"):
+        Action(Kind.F, 0, -1, 0)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -359,4 +401,6 @@ def test_csv_round_trip_file(tmp_path: object) -> None:
     s.to_csv(path)
     assert Schedule.from_csv(path) == s
     with open(path) as f:
-        assert "stage,index,kind,b,t" in f.read()
+        text = f.read()
+    assert "stage,index,kind,b,t" in text and "\n3,0,RA,0,0\n" in text
+    assert "AR,-1,-1" in text and "OPT,-1,-1" in text

@@ -1,11 +1,11 @@
 """Discrete-event simulation: a schedule's iteration latency under per-action costs.
 
 The simulator does not schedule anything itself. It prices every action of a validated
-:class:`~tplib.schedule.Schedule` with an :class:`ActionCosts` and lets
+:class:`~tplib.schedule.Schedule` with an :class:`~tplib.costs.ActionCosts` and lets
 :func:`tplib.schedule.replay` order them (a receive waits for its send, a stage runs its
-actions in its own order). After a stage's last action it adds the data-parallel gradient
-all-reduce (``AR``) and the optimizer step (``OPT``); the iteration ends when the last
-stage finishes its step::
+actions in its own order). Each stage ends with its gradient all-reduce (``AR``) and
+optimizer step (``OPT``), actions of the schedule like any other; the iteration ends
+when the last stage finishes its step::
 
     stage 0 | F F F F . . . . . . B B B B AR OPT
     stage 1 |   F F F F . . . . B B B B   AR OPT        latency = max over stages of
@@ -28,20 +28,22 @@ traces (:data:`TIMELINE_COLUMNS`), so :func:`tplib.plots.plot_timeline` draws bo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from tplib.costs import ActionCosts, SliceCostModel, memo, unit_shape
 from tplib.plan import Plan
-from tplib.planner import SliceCostModel
 from tplib.schedule import (
     COMPUTE,
     RECEIVES,
     SCHEDULES,
     SENDS,
+    UPDATE,
     Action,
+    Kind,
     Schedule,
     make_schedule,
     replay,
@@ -49,44 +51,24 @@ from tplib.schedule import (
 
 __all__ = [
     "TIMELINE_COLUMNS",
-    "ActionCosts",
     "ConstantCosts",
     "SimResult",
     "SliceModelCosts",
+    "action_cost",
     "costs_from_slice_model",
     "simulate",
     "simulate_plan",
 ]
 
 TIMELINE_COLUMNS = ("rank", "stage", "replica", "kind", "b", "t", "start", "end")
-NO_UNIT = -1  # b and t of the per-stage AR and OPT rows, which belong to no unit
-
-
-class ActionCosts(Protocol):
-    """Seconds for each action of a schedule (see the module docstring)."""
-
-    def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        """A forward (``F``) or backward (``B``) of ``action``'s unit on ``stage``."""
-        ...
-
-    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
-        """A send's time on the link, or a receive's own time on the receiving stage."""
-        ...
-
-    def allreduce(self, stage: int) -> float:
-        """The data-parallel gradient all-reduce after the stage's last backward."""
-        ...
-
-    def optimizer(self, stage: int) -> float:
-        """The optimizer step after the all-reduce."""
-        ...
 
 
 @dataclass(frozen=True)
 class ConstantCosts:
     """The same cost for every unit: ``t_f`` per forward, ``t_b`` per backward, ``t_send``
     per message on the link, ``t_recv`` per receive, plus a per-stage all-reduce and
-    optimizer step. The simplest :class:`ActionCosts`, for tests and back-of-envelope use."""
+    optimizer step. The simplest :class:`~tplib.costs.ActionCosts`, for tests and
+    back-of-envelope use."""
 
     t_f: float = 1.0
     t_b: float = 2.0
@@ -97,7 +79,7 @@ class ConstantCosts:
     blocking_sends: bool = False
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        return self.t_f if action.kind == "F" else self.t_b
+        return self.t_f if action.kind is Kind.F else self.t_b
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return self.t_send if action.kind in SENDS else self.t_recv
@@ -109,34 +91,30 @@ class ConstantCosts:
         return self.t_optimizer
 
 
-@dataclass
+@dataclass(frozen=True)
 class SliceModelCosts:
-    """:class:`ActionCosts` from a planner cost model (fwd+bwd per slice incl. its
-    send/receive): the forward takes ``fwd_fraction`` of the slice time, the backward the
-    rest, communication is free (the slice time already holds it)."""
+    """:class:`~tplib.costs.ActionCosts` from a planner cost model (fwd+bwd per slice incl.
+    its send/receive): the forward takes ``fwd_fraction`` of the slice time, the backward
+    the rest, communication is free (the slice time already holds it)."""
 
     model: SliceCostModel
     fwd_fraction: float = 1 / 3
     t_allreduce: float = 0.0
     t_optimizer: float = 0.0
     blocking_sends: bool = False
-    _cache: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fwd_fraction <= 1.0:
             raise ValueError(f"fwd_fraction={self.fwd_fraction} must lie in [0, 1]")
 
-    def slice_time(self, plan: Plan, b: int, t: int) -> float:
-        size, length = plan.batch_slices[b], plan.token_slices[b][t]
-        key = (size, length, plan.token_offset(b, t))
-        if key not in self._cache:
-            value = self.model.slice_time(size, np.array([length]), np.array([key[2]]))
-            self._cache[key] = float(np.asarray(value).reshape(-1)[0])
-        return self._cache[key]
+    @memo
+    def _slice_time(self, size: int, length: int, context: int) -> float:
+        value = self.model.slice_time(size, np.array([length]), np.array([context]))
+        return float(np.asarray(value).reshape(-1)[0])
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        share = self.fwd_fraction if action.kind == "F" else 1.0 - self.fwd_fraction
-        return share * self.slice_time(plan, action.b, action.t)
+        share = self.fwd_fraction if action.kind is Kind.F else 1.0 - self.fwd_fraction
+        return share * self._slice_time(*unit_shape(plan, action))
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return 0.0
@@ -149,13 +127,47 @@ class SliceModelCosts:
 
 
 def costs_from_slice_model(
-    model: SliceCostModel, fwd_fraction: float = 1 / 3, *, allreduce: float = 0.0,
+    model: SliceCostModel,
+    fwd_fraction: float = 1 / 3,
+    *,
+    allreduce: float = 0.0,
     optimizer: float = 0.0,
-) -> SliceModelCosts:  # fmt: skip
+) -> SliceModelCosts:
     """Drive the simulator with any planner cost model. The default ``fwd_fraction`` 1/3
     reflects a backward doing twice the forward's matrix products (dX and dW). With it the
     fill-drain latency of a plan equals :func:`tplib.planner.pipeline_latency`."""
     return SliceModelCosts(model, fwd_fraction, allreduce, optimizer)
+
+
+# Which member of ActionCosts prices each kind of action.
+_PRICE: dict[Kind, Callable[[ActionCosts, int, Action, Plan], float]] = {
+    Kind.F: lambda c, k, a, p: c.compute(k, a, p),
+    Kind.B: lambda c, k, a, p: c.compute(k, a, p),
+    Kind.SA: lambda c, k, a, p: c.transfer(k, a, p),
+    Kind.RA: lambda c, k, a, p: c.transfer(k, a, p),
+    Kind.SG: lambda c, k, a, p: c.transfer(k, a, p),
+    Kind.RG: lambda c, k, a, p: c.transfer(k, a, p),
+    Kind.AR: lambda c, k, a, p: c.allreduce(k),
+    Kind.OPT: lambda c, k, a, p: c.optimizer(k),
+}
+
+_WHAT = {Kind.AR: "the all-reduce", Kind.OPT: "the optimizer step"}
+
+
+def action_cost(costs: ActionCosts, action: Action, plan: Plan) -> float:
+    """The seconds ``costs`` gives ``action``; ValueError unless finite and >= 0."""
+    k = action.stage
+    if action.kind not in _PRICE:
+        raise ValueError(f"the simulator cannot price {action.kind} actions: no cost for it")
+    cost = float(_PRICE[action.kind](costs, k, action, plan))
+    if not 0.0 <= cost < math.inf:  # also catches NaN
+        what = (
+            f"{_WHAT[action.kind]} of stage {k}"
+            if action.kind in UPDATE
+            else f"{action} on stage {k}"
+        )
+        raise ValueError(f"cost of {what} is {cost}: costs must be finite, non-negative seconds")
+    return cost
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,32 +198,24 @@ class SimResult:
         )
 
 
-def _bad_cost(value: float, what: str) -> ValueError:
-    return ValueError(f"cost of {what} is {value}: costs must be finite, non-negative seconds")
-
-
 def simulate(
     schedule: Schedule, costs: ActionCosts, *, blocking_sends: bool | None = None
 ) -> SimResult:
-    """Replay ``schedule`` under ``costs`` and add each stage's all-reduce and optimizer
-    step. ``blocking_sends`` defaults to ``costs.blocking_sends`` (False if absent).
-    Raises :class:`~tplib.schedule.ScheduleError` if the schedule deadlocks."""
-    blocking = bool(getattr(costs, "blocking_sends", False) if blocking_sends is None
-                    else blocking_sends)  # fmt: skip
+    """Replay ``schedule`` under ``costs``. ``blocking_sends`` defaults to
+    ``costs.blocking_sends``. Raises :class:`~tplib.schedule.ScheduleError` if the
+    schedule deadlocks."""
+    blocking = costs.blocking_sends if blocking_sends is None else blocking_sends
     plan, n = schedule.plan, schedule.n_stages
     # Keyed by id(): replay hands back the schedule's own Action objects, and hashing a
     # frozen dataclass per lookup was a third of the simulator's time on big schedules.
-    own: dict[int, float] = {}  # the action's own seconds (compute, link or receive time)
-    folded: dict[tuple[str, int, int, int], float] = {}  # blocking: send time on its compute
+    own: dict[int, float] = {}  # the action's own seconds (compute, link, receive, update)
+    folded: dict[tuple[Kind, int, int, int], float] = {}  # blocking: send time on its compute
     for k, acts in enumerate(schedule.actions):
         for a in acts:
-            is_compute = a.kind in COMPUTE
-            cost = float(costs.compute(k, a, plan) if is_compute else costs.transfer(k, a, plan))
-            if not 0.0 <= cost < math.inf:  # also catches NaN
-                raise _bad_cost(cost, f"{a} on stage {k}")
+            cost = action_cost(costs, a, plan)
             own[id(a)] = cost
             if blocking and a.kind in SENDS:
-                served = ("F" if a.kind == "SA" else "B", k, a.b, a.t)
+                served = (Kind.F if a.kind is Kind.SA else Kind.B, k, a.b, a.t)
                 folded[served] = folded.get(served, 0.0) + cost
     dur = dict(own)  # what replay sees
     if blocking:
@@ -225,34 +229,30 @@ def simulate(
 
     rows: list[tuple[int, int, int, str, int, int, float, float]] = []
     busy, clock = [0.0] * n, [0.0] * n  # lists: numpy scalar updates are slow here
+    update = [0.0] * n  # each stage's AR + OPT seconds, counted as busy once, at the end
     for ta in timed:
         a, k = ta.action, ta.stage
         d = own[id(a)]
+        kind = a.kind.value
         if a.kind in COMPUTE:
-            rows.append((k, k, 0, a.kind, a.b, a.t, ta.start, ta.start + d))
+            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.start + d))
             busy[k] += ta.end - ta.start
-            clock[k] = ta.end
         elif a.kind in RECEIVES:
             # Draw the receive's own work only: the wait before it is idle time.
-            rows.append((k, k, 0, a.kind, a.b, a.t, ta.end - d, ta.end))
+            rows.append((k, k, 0, kind, a.b, a.t, ta.end - d, ta.end))
             busy[k] += d
-            clock[k] = ta.end
+        elif a.kind in UPDATE:
+            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.end))
+            update[k] += d
         elif blocking:
             # It ran at the end of its compute action, which already counted it as busy.
-            rows.append((k, k, 0, a.kind, a.b, a.t, ta.start - d, ta.start))
+            rows.append((k, k, 0, kind, a.b, a.t, ta.start - d, ta.start))
         else:
-            rows.append((k, k, 0, a.kind, a.b, a.t, ta.start, ta.end))  # on the link only
-
+            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.end))  # on the link only
+        if a.kind not in SENDS:
+            clock[k] = ta.end
     for k in range(n):
-        t_ar, t_opt = float(costs.allreduce(k)), float(costs.optimizer(k))
-        for value, what in ((t_ar, "the all-reduce"), (t_opt, "the optimizer step")):
-            if not 0.0 <= value < math.inf:
-                raise _bad_cost(value, f"{what} of stage {k}")
-        c = clock[k]
-        rows.append((k, k, 0, "AR", NO_UNIT, NO_UNIT, c, c + t_ar))
-        rows.append((k, k, 0, "OPT", NO_UNIT, NO_UNIT, c + t_ar, c + t_ar + t_opt))
-        clock[k] = c + t_ar + t_opt
-        busy[k] += t_ar + t_opt
+        busy[k] += update[k]
 
     latency = max(clock)
     timeline = pd.DataFrame.from_records(rows, columns=list(TIMELINE_COLUMNS))

@@ -1,0 +1,68 @@
+"""Pipeline schedules as data: each stage's ordered list of typed actions.
+
+================  ===================================================================
+module            what it holds
+================  ===================================================================
+``actions``       :class:`Kind`, :class:`Action`, :class:`Schedule` (and its CSV form)
+``generators``    ``gpipe``, ``terapipe``, ``1f1b`` and the passes that complete them
+``engine``        the event engine: when each action runs, given durations
+``validate``      :func:`validate` and :func:`replay`
+``grid``          :func:`format_grid`, the stage x step drawing errors print
+================  ===================================================================
+
+Plain Python: the runtime interprets these schedules, the simulator replays them with
+costs, the plots draw them, and the tests check them, all without a process group.
+"""
+
+from tplib.schedule.actions import (
+    COMMUNICATION,
+    COMPUTE,
+    LOCAL_WORK,
+    NO_UNIT,
+    RECEIVES,
+    SENDS,
+    UPDATE,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    parse_kind,
+)
+from tplib.schedule.engine import TimedAction
+from tplib.schedule.generators import (
+    SCHEDULES,
+    add_communication,
+    add_update,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    terapipe,
+)
+from tplib.schedule.grid import format_grid
+from tplib.schedule.validate import replay, validate
+
+__all__ = [
+    "COMMUNICATION",
+    "COMPUTE",
+    "LOCAL_WORK",
+    "NO_UNIT",
+    "RECEIVES",
+    "SCHEDULES",
+    "SENDS",
+    "UPDATE",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "TimedAction",
+    "add_communication",
+    "add_update",
+    "format_grid",
+    "gpipe",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_kind",
+    "replay",
+    "terapipe",
+    "validate",
+]

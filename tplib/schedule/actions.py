@@ -1,0 +1,239 @@
+"""The data a schedule is made of: typed actions, each stage's ordered list of them.
+
+A :class:`Schedule` tells every pipeline stage k in ``0..K-1`` what to do in one
+iteration, in order. Each step is an :class:`Action`: a :class:`Kind` applied on a stage,
+to one unit (batch slice ``b``, token slice ``t``) of the plan or, for the update at the
+end of the iteration, to the stage as a whole. It is plain data, printed compactly
+(``F b0 t2``, ``AR``) and parsed back, saved to CSV and read back, so one representation
+serves the runtime (which interprets it), the simulator (which replays it with costs),
+the plots and the tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import IO
+
+from tplib.plan import Plan, Unit
+
+__all__ = [
+    "COMMUNICATION",
+    "COMPUTE",
+    "LOCAL_WORK",
+    "NO_UNIT",
+    "RECEIVES",
+    "SENDS",
+    "UPDATE",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "parse_kind",
+]
+
+
+class Kind(StrEnum):
+    """What an action does. Roughly:"""
+
+    F = "F"  # run the unit's forward on this stage
+    B = "B"  # run the unit's backward on this stage
+    SA = "SA"  # send the unit's output activation to stage k+1
+    RA = "RA"  # receive the unit's input activation from stage k-1
+    SG = "SG"  # send the gradient of the unit's input to stage k-1
+    RG = "RG"  # receive the gradient of the unit's output from stage k+1
+    AR = "AR"  # all-reduce the stage's gradients: data-parallel replicas, tied embedding
+    OPT = "OPT"  # optimizer step on the stage's parameters, then zero the gradients
+
+
+COMPUTE = frozenset({Kind.F, Kind.B})  # a unit's forward or backward
+SENDS = frozenset({Kind.SA, Kind.SG})
+RECEIVES = frozenset({Kind.RA, Kind.RG})
+COMMUNICATION = SENDS | RECEIVES
+UPDATE = frozenset({Kind.AR, Kind.OPT})  # once per stage, at the end; they have no unit
+# What occupies a stage's own processor: sends and receives wait on the link instead,
+# and the all-reduce on the network. This is the work that local processes sharing a
+# machine's cores compete for.
+LOCAL_WORK = frozenset({Kind.F, Kind.B, Kind.OPT})
+
+NO_UNIT = -1  # b and t of the update actions, which belong to no unit
+
+_ACTION_RE = re.compile(
+    r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)|(?P<update>AR|OPT))\s*$"
+)
+
+
+def parse_kind(value: str) -> Kind:
+    """``Kind(value)``, with an error that lists the known kinds."""
+    try:
+        return Kind(value)
+    except ValueError:
+        raise ValueError(
+            f"unknown action kind {value!r}: known kinds are {[k.value for k in Kind]}"
+        ) from None
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message shows the grid with the faulty action marked."""
+
+    def __init__(self, message: str, actions: Sequence[Action] = ()) -> None:
+        super().__init__(message)
+        self.actions = tuple(actions)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one stage: ``kind`` applied to unit (``b``, ``t``) on ``stage``; the
+    update kinds (``AR``, ``OPT``) take no unit (``b = t = -1``)."""
+
+    kind: Kind
+    stage: int
+    b: int = NO_UNIT
+    t: int = NO_UNIT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", parse_kind(self.kind))
+        if self.stage < 0:
+            raise ValueError(f"action {self} on stage {self.stage}: stages are numbered from 0")
+        if self.kind in UPDATE:
+            if (self.b, self.t) != (NO_UNIT, NO_UNIT):
+                raise ValueError(
+                    f"action {self.kind} b{self.b} t{self.t}: {self.kind} acts on the whole "
+                    "stage and takes no unit (leave b and t at -1)"
+                )
+        elif min(self.b, self.t) < 0:
+            raise ValueError(
+                f"action {self.kind} b{self.b} t{self.t} on stage {self.stage}: "
+                "a unit's batch-slice and token-slice indices must be non-negative"
+            )
+
+    @property
+    def unit(self) -> Unit:
+        return Unit(self.b, self.t)
+
+    def __str__(self) -> str:
+        # The stage is the row the action sits in, so the compact form leaves it out.
+        return str(self.kind) if self.kind in UPDATE else f"{self.kind} b{self.b} t{self.t}"
+
+    @classmethod
+    def parse(cls, text: str, stage: int) -> Action:
+        """Inverse of ``str``: ``Action.parse("F b0 t2", stage=1)``, ``Action.parse("AR", 0)``."""
+        m = _ACTION_RE.match(text)
+        if m is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected '<kind> b<batch slice> t<token slice>' "
+                f"with kind one of F, B, SA, RA, SG, RG (e.g. 'F b0 t2'), or AR or OPT"
+            )
+        if m["update"]:
+            return cls(Kind(m["update"]), stage)
+        return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named schedule: ``actions[k]`` is stage k's ordered list of actions."""
+
+    name: str
+    n_stages: int
+    plan: Plan
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
+        if self.n_stages < 1:
+            raise ValueError(f"n_stages={self.n_stages}: a schedule needs at least one stage")
+        if len(self.actions) != self.n_stages:
+            raise ValueError(
+                f"schedule {self.name!r} has n_stages={self.n_stages} but action lists "
+                f"for {len(self.actions)} stages: give exactly one list per stage"
+            )
+        for k, acts in enumerate(self.actions):
+            for a in acts:
+                if a.stage != k:
+                    raise ValueError(
+                        f"action {a} labelled stage {a.stage} sits in stage {k}'s list"
+                    )
+
+    def compute_actions(self, stage: int) -> tuple[Action, ...]:
+        """Stage ``stage``'s forwards and backwards, in order, without communication."""
+        return tuple(a for a in self.actions[stage] if a.kind in COMPUTE)
+
+    def __str__(self) -> str:
+        # Imported here: the grid module draws schedules, so it imports this one.
+        from tplib.schedule.grid import format_grid
+
+        return f"{self.name} on {self.n_stages} stages, plan {self.plan}\n{format_grid(self)}"
+
+    # ---- CSV -------------------------------------------------------------------------
+
+    def to_csv(self, path_or_buffer: str | os.PathLike[str] | IO[str]) -> None:
+        """Write one row per action (stage, index, kind, b, t) after ``# key: value``
+        comment lines holding the name, stage count and plan (``pandas.read_csv(...,
+        comment="#")`` reads the rows)."""
+        meta = {"name": self.name, "n_stages": str(self.n_stages), "plan": self.plan.to_paper()}
+        for key in ("latency", "t_max", "eps"):
+            value = getattr(self.plan, key)
+            if value is not None:
+                meta[f"plan_{key}"] = repr(float(value))
+        with _open(path_or_buffer, "w") as f:
+            for key, value in meta.items():
+                f.write(f"# {key}: {value}\n")
+            writer = csv.writer(f, lineterminator="\n")
+            writer.writerow(["stage", "index", "kind", "b", "t"])
+            for k, acts in enumerate(self.actions):
+                for i, a in enumerate(acts):
+                    writer.writerow([k, i, a.kind.value, a.b, a.t])
+
+    @classmethod
+    def from_csv(cls, path_or_buffer: str | os.PathLike[str] | IO[str]) -> Schedule:
+        """Read what :meth:`to_csv` wrote."""
+        with _open(path_or_buffer, "r") as f:
+            lines = f.read().splitlines()
+        meta: dict[str, str] = {}
+        body = []
+        for line in lines:
+            if line.startswith("#"):
+                key, _, value = line[1:].partition(":")
+                meta[key.strip()] = value.strip()
+            elif line.strip():
+                body.append(line)
+        for key in ("name", "n_stages", "plan"):
+            if key not in meta:
+                raise ValueError(f"schedule CSV lacks the '# {key}: ...' header line")
+        base = Plan.from_paper(meta["plan"])
+        plan = Plan(
+            base.batch_slices,
+            base.token_slices,
+            *(
+                float(meta[f"plan_{k}"]) if f"plan_{k}" in meta else None
+                for k in ("latency", "t_max", "eps")
+            ),
+        )
+        n_stages = int(meta["n_stages"])
+        rows = sorted(
+            (int(r["stage"]), int(r["index"]), r["kind"], int(r["b"]), int(r["t"]))
+            for r in csv.DictReader(body)
+        )
+        actions: list[list[Action]] = [[] for _ in range(n_stages)]
+        for k, i, kind, b, t in rows:
+            if not 0 <= k < n_stages or i != len(actions[k]):
+                raise ValueError(
+                    f"schedule CSV row stage={k} index={i} is out of place: "
+                    "indices must run 0, 1, ... on each stage"
+                )
+            actions[k].append(Action(parse_kind(kind), k, b, t))
+        return cls(meta["name"], n_stages, plan, tuple(tuple(a) for a in actions))
+
+
+@contextmanager
+def _open(path_or_buffer: str | os.PathLike[str] | IO[str], mode: str) -> Iterator[IO[str]]:
+    if isinstance(path_or_buffer, (str, os.PathLike)):
+        with open(path_or_buffer, mode, newline="", encoding="utf-8") as f:
+            yield f
+    else:
+        yield path_or_buffer  # a caller's buffer: use it, leave it open

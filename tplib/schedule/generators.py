@@ -1,0 +1,174 @@
+"""Schedule generators: short pure functions ``(n_stages, plan) -> Schedule``.
+
+Each generator places the compute actions (``F``, ``B``) of one iteration. Two passes
+then complete it: :func:`add_communication` inserts the sends and receives around them,
+and :func:`add_update` ends every stage with its gradient all-reduce (``AR``) and
+optimizer step (``OPT``), so the schedule describes the whole iteration.
+:func:`make_schedule` builds a registered schedule and validates it.
+
+Clock cycles of ``terapipe`` on K=2 stages for the plan ``[(1, [2, 2])] * 3`` (three
+batch slices of one sequence, each cut into two token slices), one step per compute
+action, free communication. Fill-drain: all forwards, then all backwards, each
+sequence's token slices last-to-first::
+
+    step    |    0        1        2        3        4        5        6        7        8        9       10       11       12       13
+    --------+------------------------------------------------------------------------------------------------------------------------------
+    stage 0 | F b0 t0  F b0 t1  F b1 t0  F b1 t1  F b2 t0  F b2 t1                    B b2 t1  B b2 t0  B b1 t1  B b1 t0  B b0 t1  B b0 t0
+    stage 1 |          F b0 t0  F b0 t1  F b1 t0  F b1 t1  F b2 t0  F b2 t1  B b2 t1  B b2 t0  B b1 t1  B b1 t0  B b0 t1  B b0 t0
+
+``1f1b`` (PipeDream-Flush) on the same plan: stage k warms up with (K-k-1) + (M-1)
+forwards (M = 2 token slices), then alternates one forward and one backward, batch
+slice by batch slice, so a stage holds at most three units' activations, not six::
+
+    step    |    0        1        2        3        4        5        6        7        8        9       10       11       12       13
+    --------+------------------------------------------------------------------------------------------------------------------------------
+    stage 0 | F b0 t0  F b0 t1  F b1 t0           B b0 t1  F b1 t1  B b0 t0  F b2 t0  B b1 t1  F b2 t1  B b1 t0           B b2 t1  B b2 t0
+    stage 1 |          F b0 t0  F b0 t1  B b0 t1  F b1 t0  B b0 t0  F b1 t1  B b1 t1  F b2 t0  B b1 t0  F b2 t1  B b2 t1  B b2 t0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tplib.plan import Plan, Unit
+from tplib.schedule.actions import COMPUTE, Action, Kind, Schedule
+from tplib.schedule.validate import validate
+
+__all__ = [
+    "SCHEDULES",
+    "add_communication",
+    "add_update",
+    "gpipe",
+    "make_schedule",
+    "one_f_one_b",
+    "terapipe",
+]
+
+
+def _check_stages(n_stages: int) -> None:
+    if n_stages < 1:
+        raise ValueError(f"n_stages={n_stages}: a pipeline needs at least one stage")
+
+
+def _complete(
+    name: str, n_stages: int, plan: Plan, orders: list[list[tuple[Kind, Unit]]]
+) -> Schedule:
+    """The schedule whose stage k runs the compute actions ``orders[k]``, completed by
+    the communication and update passes."""
+    acts = tuple(
+        tuple(Action(kind, k, u.b, u.t) for kind, u in order) for k, order in enumerate(orders)
+    )
+    return add_update(add_communication(Schedule(name, n_stages, plan, acts)))
+
+
+def _fill_drain(name: str, n_stages: int, plan: Plan) -> Schedule:
+    _check_stages(n_stages)
+    fwd = list(plan.units())
+    # Reversing the forward order runs each sequence's token slices last-to-first, which
+    # is what the K/V-context gradients need.
+    order = [(Kind.F, u) for u in fwd] + [(Kind.B, u) for u in reversed(fwd)]
+    return _complete(name, n_stages, plan, [order] * n_stages)
+
+
+def gpipe(n_stages: int, plan: Plan) -> Schedule:
+    """GPipe fill-drain over microbatches: the paper's "w/o TeraPipe" baseline."""
+    for b in range(plan.n_batch_slices):
+        if plan.n_token_slices(b) != 1:
+            raise ValueError(
+                f"gpipe needs one token slice per batch slice (microbatches), but batch slice "
+                f"{b} of plan {plan} has {plan.n_token_slices(b)}: use 'terapipe' for "
+                "token-sliced plans"
+            )
+    return _fill_drain("gpipe", n_stages, plan)
+
+
+def terapipe(n_stages: int, plan: Plan) -> Schedule:
+    """TeraPipe fill-drain over batch x token slices: forwards in plan order, then
+    backwards in reverse, each sequence's token slices last-to-first."""
+    return _fill_drain("terapipe", n_stages, plan)
+
+
+def one_f_one_b(n_stages: int, plan: Plan) -> Schedule:
+    """PipeDream-Flush (1F1B) over batch x token slices (sequence-level 1F1B).
+
+    Stage k runs (K-k-1) + (M-1) warmup forwards, M being the first batch slice's token
+    slice count, then alternates one forward (while any remain) and one backward, then
+    drains the remaining backwards. Backwards go batch slice by batch slice, each one's
+    token slices in reverse. A backward whose forward has not run yet on this stage is
+    preceded by the missing forwards, which keeps plans with different M per batch slice
+    valid. With M = 1 this is the standard PipeDream-Flush / Megatron 1F1B.
+    """
+    _check_stages(n_stages)
+    fwd = list(plan.units())
+    bwd = [
+        Unit(b, t)
+        for b in range(plan.n_batch_slices)
+        for t in reversed(range(plan.n_token_slices(b)))
+    ]
+    index = {u: i for i, u in enumerate(fwd)}
+    orders = []
+    for k in range(n_stages):
+        warmup = min(n_stages - k - 1 + plan.n_token_slices(0) - 1, len(fwd))
+        order = [(Kind.F, u) for u in fwd[:warmup]]
+        n_fwd = warmup
+        for u in bwd:
+            # One forward per backward in the steady state; more if u's own forward is
+            # still ahead (a later batch slice with more token slices than the first).
+            target = max(min(n_fwd + 1, len(fwd)), index[u] + 1)
+            order += [(Kind.F, v) for v in fwd[n_fwd:target]]
+            n_fwd = target
+            order.append((Kind.B, u))
+        orders.append(order)
+    return _complete("1f1b", n_stages, plan, orders)
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Insert sends and receives around a compute-only schedule's actions: RA before
+    each F on stages k > 0, SA after each F on stages k < K-1, RG before each B on
+    stages k < K-1, SG after each B on stages k > 0."""
+    last = schedule.n_stages - 1
+    stages = []
+    for k, acts in enumerate(schedule.actions):
+        out: list[Action] = []
+        for a in acts:
+            if a.kind not in COMPUTE:
+                raise ValueError(
+                    f"add_communication got {a} on stage {k}: it expects a schedule of "
+                    "forwards and backwards only"
+                )
+            forward = a.kind is Kind.F
+            before, after = (Kind.RA, Kind.SA) if forward else (Kind.RG, Kind.SG)
+            has_before = k > 0 if forward else k < last
+            has_after = k < last if forward else k > 0
+            if has_before:
+                out.append(Action(before, k, a.b, a.t))
+            out.append(a)
+            if has_after:
+                out.append(Action(after, k, a.b, a.t))
+        stages.append(tuple(out))
+    return Schedule(schedule.name, schedule.n_stages, schedule.plan, tuple(stages))
+
+
+def add_update(schedule: Schedule) -> Schedule:
+    """End every stage with its gradient all-reduce (``AR``) and optimizer step (``OPT``):
+    a synchronous schedule updates the weights once, after the iteration's last backward."""
+    stages = tuple(
+        (*acts, Action(Kind.AR, k), Action(Kind.OPT, k)) for k, acts in enumerate(schedule.actions)
+    )
+    return Schedule(schedule.name, schedule.n_stages, schedule.plan, stages)
+
+
+SCHEDULES: dict[str, Callable[[int, Plan], Schedule]] = {
+    "gpipe": gpipe,
+    "terapipe": terapipe,
+    "1f1b": one_f_one_b,
+}
+
+
+def make_schedule(name: str, n_stages: int, plan: Plan) -> Schedule:
+    """Build the schedule registered as ``name`` and validate it."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: known schedules are {sorted(SCHEDULES)}")
+    schedule = SCHEDULES[name](n_stages, plan)
+    validate(schedule)
+    return schedule

@@ -1,0 +1,186 @@
+"""Checking a schedule before anything executes it, and replaying it with durations.
+
+:func:`validate` raises :class:`~tplib.schedule.ScheduleError` unless a schedule is
+complete (every stage runs every unit forward and backward once, with the sends and
+receives its neighbours need, and ends with its update ``AR``, ``OPT``), respects every
+dependency (a sequence's token slices run forward first to last and backward last to
+first, through the K/V context), matches sends and receives in FIFO order on every
+link, and cannot deadlock. Each error prints the grid with the faulty action marked.
+
+:func:`replay` times a valid schedule under given action durations: the engine of the
+simulator and of the grid.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+from tplib.plan import Plan, Unit
+from tplib.schedule.actions import COMPUTE, SENDS, UPDATE, Action, Kind, Schedule
+from tplib.schedule.engine import Link, TimedAction, link_of, run
+from tplib.schedule.grid import schedule_error, unit_cost
+
+__all__ = ["replay", "validate"]
+
+_SERVES = {Kind.SA: Kind.F, Kind.RA: Kind.F, Kind.SG: Kind.B, Kind.RG: Kind.B}
+
+
+def replay(schedule: Schedule, duration: Callable[[Action], float]) -> list[TimedAction]:
+    """Time a schedule: each action starts when the previous action on its stage has
+    finished, a send does not hold its stage up (its duration is the transfer), and a
+    receive ends once the matching send's transfer has arrived. Returns the timed
+    actions stage by stage, in each stage's order; raises
+    :class:`~tplib.schedule.ScheduleError` on deadlock."""
+    timed, done = run(schedule, duration)
+    stuck = [k for k in range(schedule.n_stages) if done[k] < len(schedule.actions[k])]
+    if stuck:
+        positions = [(k, done[k]) for k in stuck]
+        raise schedule_error(schedule, positions, _deadlock_reason(schedule, done))
+    return [ta for stage in timed for ta in stage]
+
+
+def _deadlock_reason(schedule: Schedule, done: list[int]) -> str:
+    waits = []
+    for k, acts in enumerate(schedule.actions):
+        if done[k] < len(acts):
+            a = acts[done[k]]
+            waits.append(f"stage {k} waits at {a} for stage {link_of(a)[1]}")
+    return (
+        "deadlock: " + "; ".join(waits) + ". Each of these receives' matching send comes "
+        "after a blocked receive (or never comes); reorder so sends precede what waits on them"
+    )
+
+
+def _unit_kinds(k: int, n_stages: int) -> tuple[Kind, ...]:
+    """The kinds stage k runs once per unit."""
+    kinds = [Kind.F, Kind.B]
+    if k > 0:
+        kinds += [Kind.RA, Kind.SG]
+    if k < n_stages - 1:
+        kinds += [Kind.SA, Kind.RG]
+    return tuple(kinds)
+
+
+def _check_counts(schedule: Schedule) -> None:
+    plan, n = schedule.plan, schedule.n_stages
+    units = set(plan.units())
+    for k, acts in enumerate(schedule.actions):
+        kinds = _unit_kinds(k, n)
+        seen: dict[tuple[Kind, Unit], int] = {}
+        for i, a in enumerate(acts):
+            if a.kind not in UPDATE and a.unit not in units:
+                raise schedule_error(
+                    schedule,
+                    [(k, i)],
+                    f"{a} on stage {k} names a unit that is not in the plan {plan}",
+                )
+            if a.kind not in UPDATE and a.kind not in kinds:
+                side = "previous" if a.kind in (Kind.RA, Kind.SG) else "next"
+                raise schedule_error(
+                    schedule,
+                    [(k, i)],
+                    f"{a} on stage {k} talks to a {side} stage, but stage {k} of {n} has none",
+                )
+            if (a.kind, a.unit) in seen:
+                raise schedule_error(
+                    schedule,
+                    [(k, seen[(a.kind, a.unit)]), (k, i)],
+                    f"{a} appears twice on stage {k}: each action runs exactly once",
+                )
+            seen[(a.kind, a.unit)] = i
+        for u in plan.units():
+            for kind in kinds:
+                if (kind, u) not in seen:
+                    related = [i for i, a in enumerate(acts) if a.unit == u]
+                    want = Action(kind, k, u.b, u.t)
+                    # Draw the mark on the compute action that lacks its send/receive.
+                    serves = _SERVES.get(kind, kind)
+                    anchor = [i for i in related if acts[i].kind == serves] or related
+                    raise schedule_error(
+                        schedule,
+                        [(k, i) for i in anchor[:1]],
+                        f"stage {k} lacks {want}: every stage needs "
+                        f"{', '.join(kinds)} for every unit of the plan",
+                    )
+        ends = tuple(a.kind for a in acts[-2:])
+        if ends != (Kind.AR, Kind.OPT):
+            last = [(k, len(acts) - 1)] if acts else []
+            raise schedule_error(
+                schedule,
+                last,
+                f"stage {k} must end with AR, OPT: a synchronous schedule all-reduces the "
+                "gradients and steps the optimizer once, after every other action of the "
+                "iteration (add them with add_update)",
+            )
+
+
+_KV_FORWARD = "a token slice's forward needs the K/V context of the slice before it"
+_KV_BACKWARD = (
+    "token slices go backward last-to-first, each feeding its K/V-context gradient "
+    "to the slice before it"
+)
+
+
+def _needs(a: Action, plan: Plan, n_stages: int) -> Iterator[tuple[Action, str]]:
+    """The actions that must come before ``a`` on its own stage, and why."""
+    k, b, t = a.stage, a.b, a.t
+    if a.kind is Kind.F:
+        if t > 0:
+            yield Action(Kind.F, k, b, t - 1), _KV_FORWARD
+        if k > 0:
+            yield Action(Kind.RA, k, b, t), "a forward needs its received activation"
+    elif a.kind is Kind.B:
+        yield Action(Kind.F, k, b, t), "a unit's backward needs its forward"
+        if t + 1 < plan.n_token_slices(b):
+            yield Action(Kind.B, k, b, t + 1), _KV_BACKWARD
+        if k < n_stages - 1:
+            yield Action(Kind.RG, k, b, t), "a backward needs its received gradient"
+    elif a.kind is Kind.SA:
+        yield Action(Kind.F, k, b, t), "an activation is sent after its forward"
+    elif a.kind is Kind.SG:
+        yield Action(Kind.B, k, b, t), "a gradient is sent after its backward"
+
+
+def _check_order(schedule: Schedule) -> None:
+    for k, acts in enumerate(schedule.actions):
+        seen: set[Action] = set()
+        for i, a in enumerate(acts):
+            for need, why in _needs(a, schedule.plan, schedule.n_stages):
+                if need not in seen:
+                    raise schedule_error(
+                        schedule, [(k, i)], f"{a} on stage {k} runs before {need}: {why}"
+                    )
+            seen.add(a)
+
+
+def _check_fifo(schedule: Schedule) -> None:
+    sends: dict[Link, list[tuple[int, int]]] = defaultdict(list)
+    receives: dict[Link, list[tuple[int, int]]] = defaultdict(list)
+    for k, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.kind not in COMPUTE and a.kind not in UPDATE:
+                (sends if a.kind in SENDS else receives)[link_of(a)].append((k, i))
+    for link in sorted(set(sends) | set(receives)):
+        msg, src, dst = link
+        for n, (s, r) in enumerate(zip(sends[link], receives[link], strict=False)):
+            sent, got = schedule.actions[s[0]][s[1]], schedule.actions[r[0]][r[1]]
+            if sent.unit != got.unit:
+                what = "activations" if msg == "A" else "gradients"
+                raise schedule_error(
+                    schedule,
+                    [r, s],
+                    f"receive #{n} on link {src}->{dst} is {got} on stage {dst} but send #{n} "
+                    f"is {sent} on stage {src}: {what} on a link match in FIFO order, so both "
+                    "stages must name units in the same order",
+                )
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`~tplib.schedule.ScheduleError` unless ``schedule`` is complete,
+    respects every dependency and cannot deadlock under the communication semantics of
+    :mod:`tplib.schedule.engine`."""
+    _check_counts(schedule)
+    _check_order(schedule)
+    _check_fifo(schedule)
+    replay(schedule, unit_cost)
