@@ -7,12 +7,15 @@ whole-batch reference, and after 5 AdamW steps so do the parameters (fp32, 1e-5)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
-from tplib.launch import LocalPool, RunResult
 from tplib.plan import Plan
-from tplib.runtime import RunConfig, balanced_stages, train_reference
+from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
+from tplib.runtime.worker import Worker
+from tplib.schedule import Kind
 
 SEQ_LEN = 16
 BATCH_PER_REPLICA = 2
@@ -39,7 +42,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def pools():
+def pools() -> Iterator[Callable[[int], LocalPool]]:
     made: dict[int, LocalPool] = {}
 
     def get(world: int) -> LocalPool:
@@ -57,10 +60,10 @@ def _config(schedule: str, k: int, r: int, plan: Plan) -> RunConfig:
         model="tiny",
         schedule=schedule,
         n_stages=k,
-        n_replicas=r,
+        n_data=r,
         batch=BATCH_PER_REPLICA * r,
         seq_len=SEQ_LEN,
-        plan=plan,
+        slicing=plan,
         steps=5,
         lr=1e-3,  # wrong or missing gradients move parameters ~1e-3, 100x the tolerance
         # The attention key bias has a gradient that is exactly zero in exact arithmetic
@@ -69,16 +72,15 @@ def _config(schedule: str, k: int, r: int, plan: Plan) -> RunConfig:
         # magnitude and moves the bias by ~lr; eps=1e-6 keeps noise-level gradients
         # noise-level without touching any real gradient (all >> 1e-6 here).
         adam_eps=1e-6,
-        collect_grads=True,
-        collect_params=True,
         timeout_s=60,
     )
 
 
-_references: dict[int, object] = {}
+COLLECT = Hooks(collect_grads=True, collect_params=True)
+_references: dict[int, ReferenceResult] = {}
 
 
-def _reference(run: RunConfig):
+def _reference(run: RunConfig) -> ReferenceResult:
     # The reference depends only on the global batch (model, data and optimiser are fixed).
     if run.batch not in _references:
         _references[run.batch] = train_reference(run)
@@ -96,9 +98,11 @@ def _model_name(run: RunConfig, stage: int, name: str) -> str:
 
 
 @pytest.mark.parametrize(("schedule", "k", "r", "i"), CASES)
-def test_pipeline_matches_single_process(pools, schedule: str, k: int, r: int, i: int) -> None:
+def test_pipeline_matches_single_process(
+    pools: Callable[[int], LocalPool], schedule: str, k: int, r: int, i: int
+) -> None:
     run = _config(schedule, k, r, SLICINGS[schedule][i])
-    result: RunResult = pools(run.world_size).run(run)
+    result: RunResult = pools(run.world_size).run(run, COLLECT)
     ref = _reference(run)
     # Losses of every step (the first one is the loss after one iteration).
     _close(torch.tensor(result.losses), torch.tensor(ref.losses), "losses")
@@ -112,7 +116,7 @@ def test_pipeline_matches_single_process(pools, schedule: str, k: int, r: int, i
             _close(p, ref.params[_model_name(run, stage, name)], f"param {name} after 5 steps")
 
 
-def test_trace_has_every_action(pools) -> None:
+def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
     trace = pools(2).run(run).trace
     assert list(trace.columns) == [
@@ -126,14 +130,16 @@ def test_trace_has_every_action(pools) -> None:
         "start",
         "end",
     ]
-    schedule = run.validate()
     for stage in range(2):
-        kinds = trace[(trace.stage == stage) & (trace.iteration == 0)].kind.tolist()
-        assert kinds == [a.kind for a in schedule.actions[stage]] + ["AR", "OPT"]
+        rows = trace[(trace.stage == stage) & (trace.iteration == 0)]
+        listed = [str(a) for a in run.schedule_data.actions[stage]]
+        traced = [
+            kind if kind in ("AR", "OPT") else f"{kind} b{b} t{t}"
+            for kind, b, t in zip(rows.kind, rows.b, rows.t, strict=True)
+        ]
+        assert traced == listed  # the schedule describes the whole iteration, update included
     assert (trace.end >= trace.start).all()
 
 
-def test_balanced_stages() -> None:
-    assert balanced_stages(10, 4) == ((0, 3), (3, 6), (6, 8), (8, 10))
-    with pytest.raises(ValueError, match=r"n_stages=5 must be between 1 and the model's 4 layers"):
-        balanced_stages(4, 5)
+def test_every_kind_has_a_handler() -> None:
+    assert set(Worker.DISPATCH) == set(Kind)

@@ -3,12 +3,12 @@ import json
 import pandas as pd
 import pytest
 
-from tplib.bench import busiest_stage_compute
 from tplib.cli import main
 from tplib.runtime import TRACE_COLUMNS
+from tplib.runtime.benchmark import busiest_stage_work
 
 
-def test_busiest_stage_compute_sums_compute_per_rank() -> None:
+def test_busiest_stage_work_sums_compute_per_rank() -> None:
     rows = [
         # rank, stage, replica, iteration, kind, b, t, start, end
         (0, 0, 0, 0, "F", 0, 0, 0.0, 1.0),
@@ -20,7 +20,7 @@ def test_busiest_stage_compute_sums_compute_per_rank() -> None:
         (0, 0, 0, 1, "F", 0, 0, 0.0, 0.5),
         (1, 1, 0, 1, "F", 0, 0, 0.0, 2.0),
     ]
-    busiest = busiest_stage_compute(pd.DataFrame(rows, columns=list(TRACE_COLUMNS)))
+    busiest = busiest_stage_work(pd.DataFrame(rows, columns=list(TRACE_COLUMNS)))
     assert busiest.tolist() == [3.0, 2.0]
 
 

@@ -1,0 +1,83 @@
+"""The pipeline runtime on torch.distributed (gloo on CPU, NCCL on GPU).
+
+================  ====================================================================
+module            what it holds
+================  ====================================================================
+``config``        :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
+``worker``        the per-process interpreter: a dispatch table from action kind to method
+``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
+``torchrun``      the entry point for runs across nodes
+``reference``     :func:`train_reference`, the single-device run every pipeline matches
+``link``          :func:`measure_link`, a ping-pong between two local processes
+``benchmark``     :func:`bench`, median iteration latency and runtime overhead
+================  ====================================================================
+
+This is the only place, with :mod:`tplib.runtime.torchrun`, where torch.distributed is
+used. :class:`RunConfig` and :class:`Hooks` import without torch; the rest loads on first
+use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tplib.runtime.config import (
+    Hooks,
+    RunConfig,
+    load_run_config,
+    run_config_from_dict,
+    run_config_to_dict,
+    save_run_config,
+)
+
+if TYPE_CHECKING:
+    from tplib.runtime.benchmark import BenchResult, bench
+    from tplib.runtime.link import fit_link, measure_link
+    from tplib.runtime.pool import LocalPool, RunResult, WorkerError, launch
+    from tplib.runtime.reference import ReferenceResult, train_reference
+    from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
+
+_LAZY = {
+    "BenchResult": "benchmark",
+    "bench": "benchmark",
+    "fit_link": "link",
+    "measure_link": "link",
+    "LocalPool": "pool",
+    "RunResult": "pool",
+    "WorkerError": "pool",
+    "launch": "pool",
+    "ReferenceResult": "reference",
+    "train_reference": "reference",
+    "TRACE_COLUMNS": "worker",
+    "RankResult": "worker",
+    "run_worker": "worker",
+}
+
+__all__ = [
+    "TRACE_COLUMNS",
+    "BenchResult",
+    "Hooks",
+    "LocalPool",
+    "RankResult",
+    "ReferenceResult",
+    "RunConfig",
+    "RunResult",
+    "WorkerError",
+    "bench",
+    "fit_link",
+    "launch",
+    "load_run_config",
+    "measure_link",
+    "run_config_from_dict",
+    "run_config_to_dict",
+    "run_worker",
+    "save_run_config",
+    "train_reference",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"tplib.runtime.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'tplib.runtime' has no attribute {name!r}")

@@ -1,0 +1,213 @@
+"""What one training run is: :class:`RunConfig`, checked whole before any process starts.
+
+A run names the model, the parallel layout (#Pipe stages, #Data replicas), the schedule
+and its slicing, and the optimiser. Constructing a :class:`RunConfig` checks every field
+and builds and validates the schedule, so bad input fails here, with a message naming
+the value and the rule, not in a worker process minutes later. It travels as JSON to
+torchrun jobs (:func:`save_run_config`).
+
+:class:`Hooks` are what tests and debugging add to a run (collecting gradients and
+parameters, injecting a fault); they are not part of what the run trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tplib.config import GPTConfig, get_config
+from tplib.files import write_json
+from tplib.plan import Plan
+from tplib.schedule import Schedule, make_schedule
+from tplib.stages import StageRange, balanced_stages, check_stage_ranges
+
+__all__ = [
+    "Hooks",
+    "RunConfig",
+    "load_run_config",
+    "run_config_from_dict",
+    "run_config_to_dict",
+    "save_run_config",
+]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run: the model, the parallel layout, the schedule and the optimiser.
+
+    ``batch`` is B, the global batch of all ``n_data`` data-parallel replicas together;
+    each pipeline trains ``pipeline_batch = batch // n_data`` sequences per iteration, cut
+    into units by ``slicing``: a :class:`~tplib.plan.Plan` of ``pipeline_batch`` x
+    ``seq_len``, or a number of equal token slices per sequence (batch slices of one
+    sequence; 1 is GPipe's microbatches of one sequence). ``stage_ranges`` gives each
+    stage's layers ``[lo, hi)`` (default: as equal as possible).
+
+    The derived values are computed once, when the config is made: :attr:`cfg` (the
+    model config with ``model_overrides``), :attr:`plan`, :attr:`ranges` and the
+    validated :attr:`schedule_data`.
+    """
+
+    model: str = "tiny"
+    schedule: str = "terapipe"
+    n_stages: int = 1
+    n_data: int = 1
+    batch: int = 1
+    seq_len: int = 64
+    slicing: Plan | int = 1
+    stage_ranges: tuple[StageRange, ...] | None = None
+    steps: int = 1
+    warmup: int = 0  # iterations run before the timed ``steps``
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    adam_eps: float = 1e-8
+    seed: int = 0  # model initialisation
+    data_seed: int = 1  # iteration i trains on synthetic_batch(seed=data_seed + i)
+    device: str = "cpu"
+    bf16: bool = False  # autocast to bfloat16 (CUDA only)
+    timeout_s: float = 180.0  # longest wait for any message or collective
+    threads: int = 0  # torch threads per process; 0: this machine's cores split evenly
+    model_overrides: tuple[tuple[str, object], ...] = ()
+    _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("n_stages", "n_data", "batch", "seq_len", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunConfig.{name}={value!r} must be a positive integer")
+        if self.warmup < 0 or self.threads < 0:
+            raise ValueError(
+                f"RunConfig.warmup={self.warmup}, threads={self.threads}: must be >= 0"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"RunConfig.timeout_s={self.timeout_s} must be positive seconds")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"RunConfig.device={self.device!r}: choose 'cpu' or 'cuda'")
+        if self.bf16 and self.device == "cpu":
+            raise ValueError("bf16=True needs device='cuda': autocast to bfloat16 is a GPU path")
+        cfg = get_config(self.model)
+        if self.model_overrides:
+            cfg = cfg.with_(**dict(self.model_overrides))
+        if self.batch % self.n_data:
+            raise ValueError(
+                f"batch={self.batch} is not divisible by n_data={self.n_data}: "
+                "every data-parallel replica trains the same number of sequences"
+            )
+        if self.seq_len > cfg.seq_len:
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds the model's context of {cfg.seq_len} tokens"
+            )
+        plan = self._resolve_plan()
+        plan.check_covers(self.pipeline_batch, self.seq_len)
+        ranges = self.stage_ranges or balanced_stages(cfg.n_layer, self.n_stages)
+        check_stage_ranges(cfg, ranges, self.n_stages)
+        schedule = make_schedule(self.schedule, self.n_stages, plan)
+        object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
+
+    def _resolve_plan(self) -> Plan:
+        if isinstance(self.slicing, Plan):
+            return self.slicing
+        if isinstance(self.slicing, bool) or not isinstance(self.slicing, int):
+            raise ValueError(
+                f"RunConfig.slicing={self.slicing!r}: give a Plan or a number of token "
+                "slices per sequence"
+            )
+        if not 1 <= self.slicing <= self.seq_len:
+            raise ValueError(
+                f"RunConfig.slicing={self.slicing} token slices per sequence is outside "
+                f"[1, seq_len={self.seq_len}]"
+            )
+        return Plan.uniform(self.pipeline_batch, self.seq_len, n_token_slices=self.slicing)
+
+    @property
+    def world_size(self) -> int:
+        """#Pipe x #Data processes."""
+        return self.n_stages * self.n_data
+
+    @property
+    def pipeline_batch(self) -> int:
+        """B / #Data: the sequences one pipeline trains per iteration."""
+        return self.batch // self.n_data
+
+    @property
+    def cfg(self) -> GPTConfig:
+        return self._derived[0]
+
+    @property
+    def plan(self) -> Plan:
+        return self._derived[1]
+
+    @property
+    def ranges(self) -> tuple[StageRange, ...]:
+        """Each stage's layer range ``[lo, hi)``."""
+        return self._derived[2]
+
+    @property
+    def schedule_data(self) -> Schedule:
+        """The validated schedule every stage interprets."""
+        return self._derived[3]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Test and debugging hooks for a run; they do not change what it trains.
+
+    ``collect_grads``: return the first iteration's gradients; ``collect_params``: the
+    parameters after the last step. ``fault``: "raise:RANK" makes that rank raise at its
+    first action, "hang:RANK" makes it stall there until it is killed.
+    """
+
+    collect_grads: bool = False
+    collect_params: bool = False
+    fault: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fault:
+            what, _, rank = self.fault.partition(":")
+            if what not in ("raise", "hang") or not rank.isdigit():
+                raise ValueError(f"fault={self.fault!r}: expected 'raise:RANK' or 'hang:RANK'")
+
+    @property
+    def fault_rank(self) -> int | None:
+        return int(self.fault.partition(":")[2]) if self.fault else None
+
+
+# ---- RunConfig <-> JSON (for torchrun and batch jobs) ------------------------------------
+
+
+def run_config_to_dict(run: RunConfig) -> dict[str, Any]:
+    out = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.init}
+    out["slicing"] = run.slicing.to_paper() if isinstance(run.slicing, Plan) else run.slicing
+    out["stage_ranges"] = None if run.stage_ranges is None else [list(r) for r in run.stage_ranges]
+    out["betas"] = list(run.betas)
+    out["model_overrides"] = dict(run.model_overrides)
+    return out
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    known = {f.name for f in dataclasses.fields(RunConfig) if f.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown RunConfig fields {unknown}: known fields are {sorted(known)}")
+    data = dict(data)
+    if isinstance(data.get("slicing"), str):
+        data["slicing"] = Plan.from_paper(data["slicing"])
+    if data.get("stage_ranges") is not None:
+        data["stage_ranges"] = tuple((int(lo), int(hi)) for lo, hi in data["stage_ranges"])
+    if "betas" in data:
+        data["betas"] = tuple(data["betas"])
+    data["model_overrides"] = tuple(sorted(dict(data.get("model_overrides") or {}).items()))
+    return RunConfig(**data)
+
+
+def save_run_config(run: RunConfig, path: str | Path) -> None:
+    write_json(path, run_config_to_dict(run), indent=2)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    return run_config_from_dict(json.loads(Path(path).read_text()))

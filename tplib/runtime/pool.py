@@ -1,0 +1,214 @@
+"""Local pipeline processes: a pool of ranks on this machine, embedded in a notebook.
+
+:func:`launch` starts one local process per rank (rendezvous on 127.0.0.1), runs a
+:class:`~tplib.runtime.RunConfig` and returns a :class:`RunResult` with the trace as a
+DataFrame. :class:`LocalPool` keeps the processes (and their process group) alive so
+several runs of the same world size reuse them; that is how the test suite and the
+measured tables stay fast::
+
+    with LocalPool(4) as pool:
+        a = pool.run(RunConfig(schedule="gpipe", n_stages=4, batch=4))
+        b = pool.run(RunConfig(schedule="terapipe", n_stages=4, batch=4, slicing=4))
+
+A worker that raises fails the whole run at once with that worker's traceback; the other
+workers are terminated rather than left waiting. Receives time out after
+``RunConfig.timeout_s`` with a message naming the waiting stage and what it waited for.
+The same worker runs across nodes under torchrun: :mod:`tplib.runtime.torchrun`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tplib.machine import threads_per_process
+from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
+
+__all__ = ["LocalPool", "RunResult", "WorkerError", "free_port", "launch"]
+
+
+class WorkerError(RuntimeError):
+    """A pipeline process failed; the message carries its traceback."""
+
+
+@dataclass
+class RunResult:
+    """Results of a run, gathered from every rank."""
+
+    config: RunConfig
+    ranks: list[RankResult]
+
+    @property
+    def trace(self) -> pd.DataFrame:
+        """Every traced action: rank, stage, replica, iteration, kind, b, t, start, end (s)."""
+        rows = [row for r in self.ranks for row in r.trace]
+        return pd.DataFrame(rows, columns=list(TRACE_COLUMNS))
+
+    @property
+    def losses(self) -> list[float]:
+        """The global mean loss of each timed iteration (summed over replicas' shares)."""
+        last = [r for r in self.ranks if r.stage == self.config.n_stages - 1]
+        return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
+
+    @property
+    def iteration_s(self) -> list[float]:
+        """Wall time of each timed iteration (the slowest rank's, barrier to barrier)."""
+        return [max(vals) for vals in zip(*(r.iteration_s for r in self.ranks), strict=True)]
+
+    @property
+    def median_latency_s(self) -> float:
+        return statistics.median(self.iteration_s)
+
+    def grads(self, replica: int = 0) -> dict[tuple[int, str], torch.Tensor]:
+        """First-iteration gradients, keyed by (stage, parameter name)."""
+        return {
+            (r.stage, n): g for r in self.ranks if r.replica == replica for n, g in r.grads.items()
+        }
+
+    def params(self, replica: int = 0) -> dict[tuple[int, str], torch.Tensor]:
+        """Parameters after the last step, keyed by (stage, parameter name)."""
+        return {
+            (r.stage, n): p for r in self.ranks if r.replica == replica for n, p in r.params.items()
+        }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a local rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pool_worker(
+    rank: int, world_size: int, port: int, backend: str, timeout_s: float, jobs: Any, results: Any
+) -> None:
+    try:
+        torch.set_num_threads(threads_per_process(world_size))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        run, hooks = job
+        try:
+            torch.set_num_threads(run.threads or threads_per_process(world_size))
+            results.put(("ok", rank, run_worker(run, rank, hooks)))
+        except BaseException:
+            results.put(("error", rank, traceback.format_exc()))
+    # No destroy_process_group(): it waits on peers, and the process is exiting anyway.
+
+
+class LocalPool:
+    """``world_size`` local processes in one process group, reused across runs."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 180.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be at least 1")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU) or 'nccl' (GPU)")
+        self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_pool_worker,
+                args=(rank, world_size, port, backend, timeout_s, self._jobs[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._closed = False
+
+    def run(self, run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
+        """Run ``run`` on the pool's processes and gather every rank's result."""
+        if self._closed:
+            raise RuntimeError("this LocalPool is closed (a run failed or close() was called)")
+        if run.world_size != self.world_size:
+            raise ValueError(
+                f"world size {self.world_size} is not n_stages x n_data = "
+                f"{run.n_stages} x {run.n_data} = {run.world_size}"
+            )
+        if (run.device == "cuda") != (self.backend == "nccl"):
+            raise ValueError(f"device={run.device!r} does not match backend={self.backend!r}")
+        for q in self._jobs:
+            q.put((run, hooks))
+        ranks: dict[int, RankResult] = {}
+        # A safety net only: every receive already times out on its own after timeout_s.
+        # The margin covers process start-up, which a fresh pool is still doing.
+        budget = 120.0 + max(run.timeout_s, self.timeout_s) * (run.steps + run.warmup + 2)
+        deadline = time.monotonic() + budget
+        while len(ranks) < self.world_size:
+            try:
+                status, rank, payload = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    self.close(force=True)
+                    raise WorkerError(f"worker processes exited without a result: {dead}") from None
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    raise WorkerError(f"run did not finish within {budget:.0f} s") from None
+                continue
+            if status == "error":
+                self.close(force=True)
+                stage, replica = rank % run.n_stages, rank // run.n_stages
+                raise WorkerError(
+                    f"rank {rank} (stage {stage}, replica {replica}) failed:\n{payload}"
+                )
+            ranks[rank] = payload
+        return RunResult(run, [ranks[r] for r in range(self.world_size)])
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=2)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(timeout=5)
+
+    def __enter__(self) -> LocalPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+
+def launch(run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
+    """Start ``run.world_size`` local processes, run, and return the gathered results."""
+    backend = "nccl" if run.device == "cuda" else "gloo"
+    with LocalPool(run.world_size, backend=backend, timeout_s=run.timeout_s) as pool:
+        return pool.run(run, hooks)
