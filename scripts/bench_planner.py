@@ -30,9 +30,12 @@ class GpuLikeCost:
     per_token: float = 8e-6  # seconds per token once the GPU is busy
     flat_tokens: int = 256  # b * s below this takes as long as this
     per_pair: float = 2.5e-9  # seconds per (query, key) pair of attention
+    max_batch_slice_size: int | None = None  # analytic: any batch slice
 
-    def slice_time(self, batch: int, length: np.ndarray, context: np.ndarray) -> np.ndarray:
-        tokens = batch * np.asarray(length, dtype=float)
+    def slice_time(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> np.ndarray:
+        tokens = batch_slice_size * np.asarray(length, dtype=float)
         keys = np.asarray(context) + (np.asarray(length) + 1) / 2  # causal within the slice
         return (
             self.overhead

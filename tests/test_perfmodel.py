@@ -1,34 +1,38 @@
-"""Tests for tplib.perfmodel: Eq. 9's fit, held-out scoring, the Profile cost model, files.
+"""Tests for tplib.perfmodel's torch-free half (tplib.perfmodel.profile, .build): Eq. 9's
+fit, held-out scoring, the Profile cost model and its files.
 
 Analytic profiles (``build_profile`` fed a known function) check the arithmetic exactly;
-one real profile of the tiny config checks the measuring path end to end.
+tests/test_perfmodel_timer.py times a real stage.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from tplib.config import get_config
 from tplib.perfmodel import (
+    DEFAULT_LINK_BANDWIDTH,
+    DEFAULT_LINK_LATENCY,
     Profile,
     ProfileError,
-    StageTimer,
     build_profile,
     context_points,
     context_time,
     fit_context,
-    profile_stage,
 )
 from tplib.planner import pipeline_latency, plan
 
 TINY = get_config("tiny")
 A = np.array([2e-4, 3e-6, 1e-6, 5e-9])  # Eq. 9's a0..a3 for b = 1 in the analytic profile
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def analytic(b: int, s: int, c: int) -> float:
@@ -37,19 +41,16 @@ def analytic(b: int, s: int, c: int) -> float:
     return base + (b * float(context_time(A, s, c)) if c > 0 else 0.0)
 
 
-def analytic_profile(batch_sizes: tuple[int, ...] = (1, 2), **kw: object) -> Profile:
+def analytic_profile(batch_slice_sizes: tuple[int, ...] = (1, 2), **kw: Any) -> Profile:
     return build_profile(
-        analytic, config=TINY, n_layers=1, seq_len=64, granularity=8,
-        batch_sizes=batch_sizes, **kw,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def measured() -> Profile:
-    return profile_stage(
-        "tiny", n_layers=1, seq_len=64, max_batch=2, granularity=8, repeats=3,
-        threads=1, progress=False,
-    )  # fmt: skip
+        analytic,
+        config=TINY,
+        layers_per_stage=1,
+        seq_len=64,
+        granularity=8,
+        batch_slice_sizes=batch_slice_sizes,
+        **kw,
+    )
 
 
 # ---- Eq. 9 ------------------------------------------------------------------------------
@@ -90,14 +91,14 @@ def test_too_small_a_grid_is_refused() -> None:
 
 def test_analytic_profile_fits_exactly() -> None:
     prof = analytic_profile()
-    for i, b in enumerate(prof.batch_sizes):
+    for i, b in enumerate(prof.batch_slice_sizes):
         np.testing.assert_allclose(prof.coef[i], b * A, rtol=1e-6)
     assert max(prof.holdout_error) < 1e-9 and max(prof.holdout_error_ctx) < 1e-6
     s, c = np.meshgrid(np.arange(8, 65, 8), np.arange(0, 57, 8))
     keep = s + c <= 64
     s, c = s[keep], c[keep]
-    for b in prof.batch_sizes:
-        want = [analytic(b, si, ci) for si, ci in zip(s, c, strict=True)]
+    for b in prof.batch_slice_sizes:
+        want = [analytic(b, int(si), int(ci)) for si, ci in zip(s, c, strict=True)]
         np.testing.assert_allclose(prof.slice_time(b, s, c) - prof.comm_time(b, s), want, rtol=1e-6)
 
 
@@ -108,7 +109,9 @@ def test_holdout_error_is_measured_on_held_out_points_only() -> None:
     def skewed(b: int, s: int, c: int) -> float:  # 10% slower, only where the fit never looks
         return analytic(b, s, c) * (1.1 if (s, c) in held_set else 1.0)
 
-    prof = build_profile(skewed, config=TINY, n_layers=1, seq_len=64, batch_sizes=(1,))
+    prof = build_profile(
+        skewed, config=TINY, layers_per_stage=1, seq_len=64, batch_slice_sizes=(1,)
+    )
     np.testing.assert_allclose(prof.coef[0], A, rtol=1e-6)  # the fit saw no skew
     assert prof.holdout_error[0] == pytest.approx(0.1 / 1.1, rel=1e-6)
     used = {(s, c) for _, s, c, _, fitted in prof.samples if fitted}
@@ -123,91 +126,91 @@ def test_rounds_keep_the_least_time() -> None:
         calls[b, s, c] = calls.get((b, s, c), 0) + 1
         return analytic(b, s, c) * (3.0 if calls[b, s, c] == 1 else 1.0)
 
-    prof = build_profile(flaky, config=TINY, n_layers=1, seq_len=64, rounds=2)
+    prof = build_profile(flaky, config=TINY, layers_per_stage=1, seq_len=64, rounds=2)
     assert set(calls.values()) == {2} and prof.rounds == 2
     np.testing.assert_allclose(prof.times[0], [analytic(1, s, 0) for s in range(8, 65, 8)])
     np.testing.assert_allclose(prof.coef[0], A, rtol=1e-6)
 
 
 def test_comm_time_is_two_transfers_of_the_activations() -> None:
-    prof = analytic_profile(bandwidth=1e9, latency=1e-5)
+    prof = analytic_profile(link_bandwidth=1e9, link_latency=1e-5)
     nbytes = 2 * 16 * TINY.hidden * 4  # b * l * hidden * float32
     assert prof.comm_time(2, 16) == pytest.approx(2 * (nbytes / 1e9 + 1e-5))
+    bf16 = analytic_profile(link_bandwidth=1e9, link_latency=1e-5, dtype="bfloat16")
+    assert bf16.comm_time(2, 16) == pytest.approx(2 * (nbytes / 2 / 1e9 + 1e-5))
+    default = analytic_profile()
+    assert (default.link_bandwidth, default.link_latency) == (2e9, 50e-6)
+    assert (DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY) == (2e9, 50e-6)
 
 
 def test_bad_measurements_are_refused() -> None:
     for bad in (math.nan, -1.0, math.inf):
+
+        def measure(b: int, s: int, c: int, v: float = bad) -> float:
+            return v
+
         with pytest.raises(ProfileError, match="finite, non-negative"):
-            build_profile(lambda b, s, c, v=bad: v, config=TINY, n_layers=1, seq_len=64)
+            build_profile(measure, config=TINY, layers_per_stage=1, seq_len=64)
 
 
-# ---- a real profile ----------------------------------------------------------------------
-
-
-def test_measured_table_is_complete_and_positive(measured: Profile) -> None:
-    assert measured.device == "cpu" and measured.dtype == "float32"
-    assert measured.batch_sizes == (1, 2) and measured.max_batch == 2
-    table = np.asarray(measured.times)
-    assert table.shape == (2, 64 // 8)
-    assert np.isfinite(table).all() and (table > 0).all()
-    assert len(measured.coef) == 2 and np.isfinite(measured.coef).all()
-    assert all(np.isfinite(e) and e >= 0 for e in measured.holdout_error)
-    assert measured.torch_version == torch.__version__ and measured.created
-    assert {fitted for *_, fitted in measured.samples} == {True, False}
-
-
-def test_slice_time_is_table_plus_fit_plus_comm(measured: Profile) -> None:
-    s, c = np.array([8, 16, 8, 24]), np.array([0, 8, 24, 8])
-    for i, b in enumerate(measured.batch_sizes):
-        table = np.asarray(measured.times[i])[s // 8 - 1]
-        a = measured.coef[i]
-        ctx = np.where(c > 0, np.maximum(a[0] + a[1] * s + a[2] * c + a[3] * s * c, 0), 0)
-        comm = 2 * (b * s * TINY.hidden * 4 / measured.bandwidth + measured.latency)
-        np.testing.assert_allclose(measured.slice_time(b, s, c), table + ctx + comm, rtol=1e-12)
-
-
-def test_profiling_restores_torch_threads(measured: Profile) -> None:
-    assert measured.threads == 1
-    before = torch.get_num_threads()
-    profile_stage("tiny", seq_len=32, repeats=1, threads=1, progress=False)
-    assert torch.get_num_threads() == before
-
-
-def test_timer_builds_a_middle_stage_even_for_small_models() -> None:
-    timer = StageTimer(TINY, TINY.n_layer, seq_len=32, repeats=1, warmup=0)
-    assert not timer.stage.is_first and not timer.stage.is_last
-    assert len(timer.stage.blocks) == TINY.n_layer
-    assert timer(1, 8, 16) > 0
-    bf16 = StageTimer(TINY, 1, seq_len=32, dtype="bfloat16", repeats=1, warmup=0)
-    assert bf16(1, 8, 8) > 0
-    with pytest.raises(ProfileError, match="context"):
-        StageTimer(TINY, 1, seq_len=128)
+def test_bad_profiles_are_refused() -> None:
+    with pytest.raises(ProfileError, match=r"Profile.stage: stage layer range \[2, 9\)"):
+        analytic_profile(stage=(2, 9))
+    with pytest.raises(ProfileError, match=r"stage \[0, 2\) holds 2 layers, not .*=1"):
+        analytic_profile(stage=(0, 2))
+    with pytest.raises(ProfileError, match="dtype 'float8'"):
+        analytic_profile(dtype="float8")
+    with pytest.raises(ProfileError, match="link_bandwidth=0"):
+        analytic_profile(link_bandwidth=0)
 
 
 # ---- files and the planner -----------------------------------------------------------------
 
 
-def test_save_load_round_trip(measured: Profile, tmp_path: Path) -> None:
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    prof = analytic_profile(stage=(0, 1), smooth=True)
     path = tmp_path / "p.json"
-    measured.save(path)
+    prof.save(path)
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temp file left behind
+    assert json.loads(path.read_text())["format"] == "tplib.profile/2"
     loaded = Profile.load(path)
-    assert loaded == measured
+    assert loaded == prof
     s, c = np.meshgrid(np.arange(8, 65, 8), np.arange(0, 57, 8))
     s, c = s[s + c <= 64], c[s + c <= 64]
     for b in (1, 2):
-        np.testing.assert_array_equal(loaded.slice_time(b, s, c), measured.slice_time(b, s, c))
+        np.testing.assert_array_equal(loaded.slice_time(b, s, c), prof.slice_time(b, s, c))
 
 
-def test_requests_outside_the_profile_name_the_point(measured: Profile) -> None:
+def test_format_1_files_still_load(tmp_path: Path) -> None:
+    """Format 1 named the fields n_layers, batch_sizes, bandwidth and latency."""
+    prof = analytic_profile(link_bandwidth=1e9, link_latency=1e-5)
+    d = json.loads(json.dumps(prof.to_dict()))
+    old = {"n_layers": 1, "batch_sizes": [1, 2], "bandwidth": 1e9, "latency": 1e-5}
+    for new in ("layers_per_stage", "batch_slice_sizes", "link_bandwidth", "link_latency"):
+        del d[new]
+    d.update(old, format="tplib.profile/1")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(d))
+    loaded = Profile.load(path)
+    assert loaded == prof
+    assert (loaded.layers_per_stage, loaded.batch_slice_sizes) == (1, (1, 2))
+    assert (loaded.link_bandwidth, loaded.link_latency) == (1e9, 1e-5)
+    d["format"] = "tplib.profile/0"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="format"):
+        Profile.load(path)
+
+
+def test_requests_outside_the_profile_name_the_point() -> None:
+    prof = analytic_profile()
     with pytest.raises(ProfileError, match=r"batch size 3 was not profiled.*re-profile"):
-        measured.slice_time(3, np.array([8]), np.array([0]))
+        prof.slice_time(3, np.array([8]), np.array([0]))
     with pytest.raises(ProfileError, match="slice length 12 is off the profiled grid"):
-        measured.slice_time(1, np.array([8, 12]), np.array([0, 8]))
+        prof.slice_time(1, np.array([8, 12]), np.array([0, 8]))
     with pytest.raises(ProfileError, match="token 72 is beyond the profile's seq_len L=64"):
-        measured.slice_time(1, np.array([8]), np.array([64]))
+        prof.slice_time(1, np.array([8]), np.array([64]))
     with pytest.raises(ValueError, match="was not profiled"):  # the planner's error type
-        plan(analytic_profile(batch_sizes=(2,)), seq_len=64, batch=2, n_stages=2)
+        plan(analytic_profile(batch_slice_sizes=(2,)), seq_len=64, batch=2, n_stages=2)
 
 
 @pytest.mark.parametrize(("bad", "match"), [(math.nan, "nan"), (-1e-3, "-0.001")])
@@ -226,12 +229,28 @@ def test_invalid_profile_files_are_refused(tmp_path: Path, bad: float, match: st
         Profile.load(path)
 
 
-def test_planner_runs_on_a_loaded_profile(measured: Profile, tmp_path: Path) -> None:
-    measured.save(tmp_path / "p.json")
+def test_planner_runs_on_a_loaded_profile(tmp_path: Path) -> None:
+    analytic_profile().save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
+    assert loaded.max_batch_slice_size == 2
     for method in ("exact", "paper"):
         p = plan(loaded, seq_len=64, batch=3, n_stages=2, method=method)
         p.check_covers(3, 64)
-        assert max(p.batch_slices) <= loaded.max_batch
+        assert max(p.batch_slices) <= loaded.max_batch_slice_size
     p = plan(loaded, seq_len=64, batch=3, n_stages=2)
     assert p.latency == pytest.approx(pipeline_latency(p, loaded, 2))
+
+
+def test_planning_from_a_profile_does_not_import_torch() -> None:
+    """The profile, its builder and the planner are torch-free; the timer's names load on
+    first use. (tplib/__init__.py is bypassed: it imports the model.)"""
+    code = f"""
+import sys, types
+pkg = types.ModuleType("tplib"); pkg.__path__ = [{str(ROOT / "tplib")!r}]
+sys.modules["tplib"] = pkg
+import tplib.perfmodel, tplib.planner
+assert "torch" not in sys.modules, "importing tplib.perfmodel loaded torch"
+tplib.perfmodel.StageTimer
+assert "torch" in sys.modules, "the timer loads on first use"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

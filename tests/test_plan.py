@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tplib.plan import Plan, Unit
+from tplib.plan import Plan, Unit, grid_size
 
 PAPER_SCHEMES = [
     "[(1, [2048])] * 16",
@@ -64,3 +64,11 @@ def test_bad_plans_are_named() -> None:
         Plan((1, 2), ((8,), (8,))).check_covers(4, 8)
     with pytest.raises(ValueError, match=r"cannot parse"):
         Plan.from_paper("[(1, [__import__('os')])]")
+
+
+def test_grid_size_counts_steps_of_g_tokens() -> None:
+    assert grid_size(2048, 8) == 256
+    assert grid_size(64, 64) == 1
+    for seq_len, g in [(20, 8), (4, 8), (64, 0), (0, 8)]:
+        with pytest.raises(ValueError, match=rf"L={seq_len} is not a positive multiple of .*g={g}"):
+            grid_size(seq_len, g)

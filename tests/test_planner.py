@@ -111,10 +111,11 @@ def plan_objective(times: np.ndarray, p: Plan, k: int) -> float:
 
 
 @st.composite
-def tables(draw: st.DrawFn, max_n: int, max_batch: int) -> tuple[np.ndarray, int]:
-    """(times, n): times[b - 1, k, j] for b <= max_batch and k + j <= n <= max_n."""
+def tables(draw: st.DrawFn, max_n: int, max_size: int) -> tuple[np.ndarray, int]:
+    """(times, n): times[b - 1, k, j] for batch slice sizes b <= max_size and
+    k + j <= n <= max_n."""
     n = draw(st.integers(1, max_n))
-    n_b = draw(st.integers(1, max_batch))
+    n_b = draw(st.integers(1, max_size))
     shape = (n_b, n + 1, n + 1)
     kind = draw(st.sampled_from(["random", "ties", "grows"]))
     if kind == "ties":  # few distinct values: many equal t_max candidates and equal sums
@@ -133,13 +134,13 @@ def tables(draw: st.DrawFn, max_n: int, max_batch: int) -> tuple[np.ndarray, int
 
 
 @settings(max_examples=80)
-@given(tables(max_n=12, max_batch=2), st.integers(1, 9), st.data())
+@given(tables(max_n=12, max_size=2), st.integers(1, 9), st.data())
 def test_token_dp_matches_brute_force(
     table: tuple[np.ndarray, int], k: int, data: st.DataObject
 ) -> None:
     times, n = table
     b = data.draw(st.integers(1, times.shape[0]))
-    got = token_dp(TableCost(times, G), seq_len=n * G, n_stages=k, batch_slice=b)
+    got = token_dp(TableCost(times, G), seq_len=n * G, n_stages=k, batch_slice_size=b)
     assert got.latency == pytest.approx(brute_token(times[b - 1], n, k), abs=TOL)
     # The returned slicing really has the returned cost.
     assert sum(got.slices) == n * G and all(s % G == 0 and s > 0 for s in got.slices)
@@ -150,7 +151,7 @@ def test_token_dp_matches_brute_force(
 
 
 @settings(max_examples=60)
-@given(tables(max_n=10, max_batch=1), st.data())
+@given(tables(max_n=10, max_size=1), st.data())
 def test_algorithm1_matches_brute_force(table: tuple[np.ndarray, int], data: st.DataObject) -> None:
     """Eq. 7: least total time over slicings whose every slice fits under t_max."""
     times, n = table
@@ -168,7 +169,7 @@ def test_algorithm1_matches_brute_force(table: tuple[np.ndarray, int], data: st.
 
 
 @settings(max_examples=80)
-@given(tables(max_n=10, max_batch=1), st.integers(1, 9), st.floats(0, 3))
+@given(tables(max_n=10, max_size=1), st.integers(1, 9), st.floats(0, 3))
 def test_eps_stays_within_k_eps(table: tuple[np.ndarray, int], k: int, eps: float) -> None:
     times, n = table
     got = token_dp(TableCost(times, G), seq_len=n * G, n_stages=k, eps=eps)
@@ -192,7 +193,7 @@ def test_eps_window_keeps_the_bound_where_trying_its_first_value_would_not() -> 
 
 
 @settings(max_examples=60)
-@given(tables(max_n=5, max_batch=4), st.integers(1, 4), st.integers(1, 6), st.data())
+@given(tables(max_n=5, max_size=4), st.integers(1, 4), st.integers(1, 6), st.data())
 def test_joint_plans_match_brute_force(
     table: tuple[np.ndarray, int], batch: int, k: int, data: st.DataObject
 ) -> None:
@@ -200,7 +201,7 @@ def test_joint_plans_match_brute_force(
     cost = TableCost(times, G)
     limit = data.draw(st.none() | st.integers(1, times.shape[0]))
     bmax = min(batch, times.shape[0], limit or batch)
-    kw = dict(seq_len=n * G, batch=batch, n_stages=k, granularity=G, max_batch_slice=limit)
+    kw = dict(seq_len=n * G, batch=batch, n_stages=k, granularity=G, max_batch_slice_size=limit)
     exact, paper = exact_joint(cost, **kw), paper_joint(cost, **kw)
     for p in (exact, paper):
         p.check_covers(batch, n * G)
@@ -221,7 +222,7 @@ def test_joint_plans_match_brute_force(
 
 
 @settings(max_examples=40)
-@given(tables(max_n=5, max_batch=3), st.integers(1, 4), st.integers(1, 6), st.floats(0, 2))
+@given(tables(max_n=5, max_size=3), st.integers(1, 4), st.integers(1, 6), st.floats(0, 2))
 def test_joint_eps_stays_within_k_eps(
     table: tuple[np.ndarray, int], batch: int, k: int, eps: float
 ) -> None:
@@ -232,10 +233,14 @@ def test_joint_eps_stays_within_k_eps(
 
 
 class LinearCost:
-    """GPU-like analytic cost with no max_batch: flat below 64 tokens, attention term."""
+    """GPU-like analytic cost for any batch slice: flat below 64 tokens, attention term."""
 
-    def slice_time(self, batch: int, length: np.ndarray, context: np.ndarray) -> np.ndarray:
-        tokens = batch * np.asarray(length, dtype=float)
+    max_batch_slice_size = None
+
+    def slice_time(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> np.ndarray:
+        tokens = batch_slice_size * np.asarray(length, dtype=float)
         return 1e-3 + 1e-5 * np.maximum(tokens, 64) + 1e-8 * tokens * (context + length / 2)
 
 
@@ -262,12 +267,12 @@ def test_plan_output_covers_the_batch_and_reports_its_latency(method: str) -> No
             assert best_uniform(cost, 256, 6, 4, batch_slice_size=size).latency >= true - 1e-12
 
 
-def test_batch_slices_respect_max_batch_and_max_batch_slice() -> None:
+def test_batch_slices_respect_the_cost_models_and_the_callers_limit() -> None:
     times = np.ones((2, 3, 3))  # profiled for batch slices of 1 and 2 only
     p = plan(TableCost(times, G), seq_len=16, batch=5, n_stages=3)
     p.check_covers(5, 16)
     assert max(p.batch_slices) <= 2
-    q = plan(LinearCost(), seq_len=64, batch=5, n_stages=3, max_batch_slice=1, method="paper")
+    q = plan(LinearCost(), seq_len=64, batch=5, n_stages=3, max_batch_slice_size=1, method="paper")
     assert q.batch_slices == (1,) * 5
 
 
@@ -310,7 +315,9 @@ def test_bad_costs_name_the_slice_and_the_rule(bad: float, rule: str) -> None:
 
 def test_bad_arguments_are_refused_with_the_value() -> None:
     cost = TableCost(np.ones((2, 4, 4)), G)
-    with pytest.raises(ValueError, match="seq_len L=20 is not divisible by granularity g=8"):
+    with pytest.raises(
+        ValueError, match="seq_len L=20 is not a positive multiple of granularity g=8"
+    ):
         plan(LinearCost(), seq_len=20, batch=1, n_stages=2)
     with pytest.raises(ValueError, match="n_stages K=0"):
         plan(cost, seq_len=24, batch=1, n_stages=0)
@@ -322,11 +329,17 @@ def test_bad_arguments_are_refused_with_the_value() -> None:
         plan(cost, seq_len=24, batch=1, n_stages=2, method="fast")  # type: ignore[arg-type]
 
 
-def test_batch_beyond_max_batch_needs_splitting() -> None:
+def test_batch_slices_beyond_the_cost_model_are_refused() -> None:
     cost = TableCost(np.ones((2, 4, 4)), G)  # profiled up to batch slices of 2
-    with pytest.raises(ValueError, match=r"batch slice of 3 sequences exceeds .* max_batch=2"):
-        token_dp(cost, seq_len=24, n_stages=2, batch_slice=3)
-    with pytest.raises(ValueError, match=r"batch slice of 3 sequences exceeds .* max_batch=2"):
+    assert cost.max_batch_slice_size == 2
+    exceeds = r"batch slice of 3 sequences exceeds .* max_batch_slice_size=2"
+    with pytest.raises(ValueError, match=exceeds):
+        token_dp(cost, seq_len=24, n_stages=2, batch_slice_size=3)
+    with pytest.raises(ValueError, match=exceeds):
+        algorithm1(cost, seq_len=24, t_max=1.0, batch_slice_size=3)
+    with pytest.raises(ValueError, match=exceeds):
         uniform(cost, 24, 3, 2, n_slices=1, batch_slice_size=3)
-    with pytest.raises(ValueError, match=r"max_batch_slice=3 .* max_batch"):
-        plan(cost, seq_len=24, batch=3, n_stages=2, max_batch_slice=3)
+    with pytest.raises(ValueError, match=r"max_batch_slice_size=3 is outside 1\.\.2"):
+        plan(cost, seq_len=24, batch=3, n_stages=2, max_batch_slice_size=3)
+    with pytest.raises(ValueError, match=r"max_batch_slice_size=0 is outside 1 or more"):
+        plan(LinearCost(), seq_len=24, batch=3, n_stages=2, max_batch_slice_size=0)

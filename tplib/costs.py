@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -29,7 +29,18 @@ if TYPE_CHECKING:
     from tplib.plan import Plan
     from tplib.schedule import Action
 
-__all__ = ["ActionCosts", "SliceCostModel", "memo", "ring_allreduce", "unit_shape"]
+__all__ = ["ActionCosts", "Link", "SliceCostModel", "memo", "ring_allreduce", "unit_shape"]
+
+
+class Link(NamedTuple):
+    """A link between two processes: a message of n bytes takes ``latency + n / bandwidth``
+    seconds (bandwidth in bytes/s, latency in seconds)."""
+
+    bandwidth: float
+    latency: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
 
 
 class SliceCostModel(Protocol):

@@ -1,0 +1,38 @@
+"""Analytic model of the paper's cluster: AWS p3.16xlarge nodes of 8 V100 GPUs.
+
+One :class:`ClusterCostModel` prices a Table-1 layout for the planner and the simulator.
+The package, one mechanism per module:
+
+- :mod:`~tplib.cluster.hardware`: published specs (:class:`Hardware`, :data:`P3_16XLARGE`);
+- :mod:`~tplib.cluster.calibration`: every free parameter, its value and provenance
+  (:class:`Calibration`, :data:`CALIBRATION`);
+- :mod:`~tplib.cluster.layout`: the rules of a layout (:func:`check_layout`) and where
+  its GPUs sit;
+- :mod:`~tplib.cluster.compute`: what one layer costs on one GPU;
+- :mod:`~tplib.cluster.cost`: :class:`ClusterCostModel`, stages and links on top;
+- :mod:`~tplib.cluster.memory`: peak memory per GPU (:func:`memory_per_gpu`);
+- :mod:`~tplib.cluster.fit`: :func:`fit_calibration`, which re-derives the fitted
+  parameters from the paper's GPipe latencies only.
+"""
+
+from tplib.cluster.calibration import CALIBRATION, COMM_MODES, FIT_STAGES, Calibration
+from tplib.cluster.cost import ClusterCostModel
+from tplib.cluster.fit import FitResult, fit_calibration
+from tplib.cluster.hardware import P3_16XLARGE, Hardware
+from tplib.cluster.layout import check_layout
+from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
+
+__all__ = [
+    "CALIBRATION",
+    "COMM_MODES",
+    "FIT_STAGES",
+    "P3_16XLARGE",
+    "Calibration",
+    "ClusterCostModel",
+    "FitResult",
+    "Hardware",
+    "MemoryEstimate",
+    "check_layout",
+    "fit_calibration",
+    "memory_per_gpu",
+]

@@ -1,0 +1,130 @@
+"""What one transformer layer costs on one V100: the compute half of the cluster model.
+
+Per layer and slice of b sequences, s tokens after c tokens of context, on one GPU of
+an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp16):
+
+* matrix products: forward 24 b s H^2 / #Op FLOPs in four products (QKV 6, output
+  projection 2, MLP 16), backward twice that (dX and dW); attention 4 b s (c + s) H / #Op
+  (QK^T and AV over all c + s keys: the implementation computes masked entries too). Each
+  product runs at ``gemm_efficiency`` x the 125 TFLOPS fp16 peak, slowed by tile and wave
+  quantization (whole 128 x 128 output tiles, in waves of one tile per each of the 80
+  SMs; this is why small slices and small per-GPU matrices run below peak), and never
+  faster than moving its operands through HBM (so a tiny slice still streams the weights);
+* ``w.grad += dW`` on every slice (read two, write one fp16 copy of the weights) and the
+  K/V-context gradient accumulation;
+* memory-bound kernels at ``hbm_efficiency`` x 900 GB/s: LayerNorms, residuals, dropout,
+  biases, activation (:data:`TOKEN_BYTES_FWD`) and the score matrix (scale, mask, fp32
+  softmax, dropout: :data:`SCORE_BYTES_FWD` / :data:`SCORE_BYTES_BWD` bytes per score);
+* Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
+  over NVLink, a ring (:func:`~tplib.costs.ring_allreduce`) plus ``collective_latency``.
+
+The host floor (paper Fig. 3) and everything about stages and links is applied on top
+by :class:`~tplib.cluster.cost.ClusterCostModel`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplib.cluster.calibration import Calibration
+from tplib.cluster.hardware import FP16, Hardware
+from tplib.config import GPTConfig, n_params_per_layer
+from tplib.costs import ring_allreduce
+
+__all__ = ["gemm_time", "hbm_rate", "layer_times", "nvlink_bus"]
+
+# Memory traffic of the memory-bound kernels, bytes per element (counted from the reads
+# and writes of a plain PyTorch layer; the backward does about twice the forward).
+TOKEN_BYTES_FWD = (15.0, 16.0)  # per (token, hidden) element: (replicated, per #Op share)
+# replicated over the #Op group: 2 LayerNorms (r+w), 2 residual adds (2r+w), 2 dropouts;
+# per #Op share: QKV and FC1 biases, the activation over 4H.
+SCORE_BYTES_FWD = 16.0  # per attention score: write, scale, mask, fp32 softmax, dropout
+SCORE_BYTES_BWD = 32.0
+
+
+def hbm_rate(cal: Calibration, hw: Hardware) -> float:
+    """Bytes/s the memory-bound kernels reach."""
+    return cal.hbm_efficiency * hw.hbm_bandwidth
+
+
+def nvlink_bus(cal: Calibration, hw: Hardware) -> float:
+    """Bytes/s of a collective inside a node: NCCL's rings use all of a GPU's NVLinks."""
+    return cal.nvlink_efficiency * hw.nvlink_link * hw.nvlink_links
+
+
+def gemm_time(
+    m: float | np.ndarray,
+    n: float | np.ndarray,
+    k: float | np.ndarray,
+    batch: float | np.ndarray = 1.0,
+    *,
+    cal: Calibration,
+    hw: Hardware,
+) -> np.ndarray:
+    """Seconds of ``batch`` products (m x k) @ (k x n) in fp16."""
+    if cal.quantization:
+        t, sms = hw.gemm_tile, hw.sms
+        tiles = batch * np.ceil(m / t) * np.ceil(n / t)
+        slots = np.ceil(tiles / sms) * sms * t * t  # whole waves of whole tiles
+        used = batch * m * n / slots
+    else:
+        used = 1.0
+    flops = cal.gemm_efficiency * hw.peak_fp16
+    compute = 2 * batch * m * n * k / (flops * used)
+    traffic = FP16 * batch * (m * k + k * n + m * n) / hbm_rate(cal, hw)
+    return np.maximum(compute, traffic)
+
+
+def layer_times(
+    cfg: GPTConfig,
+    n_op: int,
+    batch_slice_size: int,
+    length: np.ndarray,
+    context: np.ndarray,
+    *,
+    cal: Calibration,
+    hw: Hardware,
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPU seconds of one layer's (forward, backward) for a slice, on one GPU of an
+    ``n_op`` group."""
+    h, heads, hbm = cfg.hidden, cfg.n_head // n_op, hbm_rate(cal, hw)
+    s, c = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
+    b = batch_slice_size
+    tokens, keys = b * s, c + s
+
+    def gemm(
+        m: float | np.ndarray, n: float | np.ndarray, k: float | np.ndarray, batch: float = 1.0
+    ) -> np.ndarray:
+        return gemm_time(m, n, k, batch, cal=cal, hw=hw)
+
+    # The four products per GPU as (n, k) of (tokens x k) @ (k x n): Megatron splits
+    # QKV and FC1 by columns, the output projection and FC2 by rows.
+    shapes = [(3 * h / n_op, h), (h, h / n_op), (4 * h / n_op, h), (h, 4 * h / n_op)]
+    fwd_gemm = sum(gemm(tokens, n, k) for n, k in shapes)
+    # Backward: dX = dY W^T (tokens x k) and dW = X^T dY (k x n, reducing over tokens).
+    bwd_gemm = sum(gemm(tokens, k, n) + gemm(k, n, tokens) for n, k in shapes)
+    # Attention per (sequence, head): QK^T (s x dh) @ (dh x keys), AV (s x keys) @
+    # (keys x dh).
+    pairs, dh = b * heads, cfg.head_dim
+    attn = gemm(s, keys, dh, pairs) + gemm(s, dh, keys, pairs)
+    scores = pairs * s * keys
+    rep, part = TOKEN_BYTES_FWD
+    elementwise = tokens * h * FP16 * (rep + part / n_op) / hbm
+    megatron: float | np.ndarray = 0.0
+    if n_op > 1:
+        ring = ring_allreduce(FP16 * tokens * h, n_op, nvlink_bus(cal, hw))
+        megatron = 2 * (ring + cal.collective_latency)
+    fwd = fwd_gemm + attn + scores * SCORE_BYTES_FWD / hbm + elementwise + megatron
+    params = n_params_per_layer(cfg) / n_op
+    accumulate = 3 * FP16 * params / hbm  # w.grad += dW per slice
+    kv_grad = 3 * 2 * FP16 * b * c * h / n_op / hbm  # context grads += update
+    bwd = (
+        bwd_gemm
+        + 2 * attn
+        + scores * SCORE_BYTES_BWD / hbm
+        + 2 * elementwise
+        + megatron
+        + accumulate
+        + kv_grad
+    )
+    return fwd, bwd

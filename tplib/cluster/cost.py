@@ -1,0 +1,281 @@
+"""Analytic cost model of the paper's cluster: one layout on AWS p3.16xlarge nodes.
+
+One :class:`ClusterCostModel` prices a Table-1 layout (#Pipe stages K of N/K layers,
+each stage operation-partitioned over #Op GPUs, #Data replicas; see
+:mod:`tplib.cluster.layout`) for both consumers: the DP planner (``slice_time``, a
+:class:`~tplib.costs.SliceCostModel`) and the simulator (``compute``/``transfer``/
+``allreduce``/``optimizer``, an :class:`~tplib.costs.ActionCosts`). It models the
+paper's implementation (appendix B: PyTorch + NCCL + Megatron-LM, fp16 layers, fp32
+master weights, Adam): only the N transformer layers are pipelined, which is also what
+the paper's TFLOPS column counts.
+
+What one layer costs on one GPU is :mod:`tplib.cluster.compute`. On top of it, a stage
+of N/K layers never computes faster than the host issues its kernels (paper Fig. 3: a
+GPT3-1B layer's forward takes as long for 1 token as for 256): a layer's forward takes
+at least the GPU time of a 256-token GPT3-1B layer forward, its backward twice that.
+
+Sends run on the compute stream, so a stage is busy while it sends (``comm``, see
+:class:`~tplib.cluster.calibration.Calibration`). The data-parallel all-reduce crosses
+the network, and all 8 GPUs of a node all-reduce at about the same time (their stages
+finish the backward within a few slices of each other): they SHARE the node's 25 Gbps.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tplib.cluster.calibration import CALIBRATION, Calibration
+from tplib.cluster.compute import hbm_rate, layer_times, nvlink_bus
+from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
+from tplib.cluster.layout import check_layout, gpu_rank, send_ranks
+from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
+from tplib.config import GPTConfig, get_config, n_params_per_layer
+from tplib.costs import memo, ring_allreduce, unit_shape
+from tplib.paper import Setting
+from tplib.plan import Plan
+
+if TYPE_CHECKING:
+    from tplib.schedule import Action
+
+__all__ = ["ClusterCostModel"]
+
+# Optimizer step per parameter: fp16 grad -> fp32 master grad with loss unscaling
+# (r 2 + w 4, then r/w 4 + 4), fused Adam (r param, grad, m, v; w param, m, v: 28),
+# fp32 master -> fp16 weights (r 4 + w 2).
+OPTIMIZER_BYTES = 14.0 + 28.0 + 6.0
+# Data-parallel all-reduce bookkeeping per parameter (Megatron's bucketed all-reduce):
+# flatten the fp16 grads, scale, unflatten: three reads and three writes.
+ALLREDUCE_COPY_BYTES = 3 * 2 * FP16
+
+
+class ClusterCostModel:
+    """Costs of one pipeline layout on p3.16xlarge nodes (see the module docstring).
+
+    ``model``: a config or its name; ``n_stages`` (K), ``n_op`` (#Op) and ``n_data``
+    (#Data) as in Table 1; ``seq_len`` (L) bounds context + slice length.
+    """
+
+    max_batch_slice_size: int | None = None  # analytic: it prices any batch slice
+    blocking_sends: bool
+
+    def __init__(
+        self,
+        model: GPTConfig | str,
+        *,
+        n_stages: int,
+        n_op: int = 1,
+        n_data: int = 1,
+        seq_len: int | None = None,
+        calibration: Calibration = CALIBRATION,
+        hardware: Hardware = P3_16XLARGE,
+    ) -> None:
+        self.cfg = get_config(model) if isinstance(model, str) else model
+        self.seq_len = seq_len or self.cfg.seq_len
+        check_layout(self.cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware)
+        self.n_stages, self.n_op, self.n_data = n_stages, n_op, n_data
+        self.layers_per_stage = self.cfg.n_layer // n_stages
+        self.cal, self.hw = calibration, hardware
+        self.blocking_sends = calibration.comm != "async"
+
+    @classmethod
+    def for_setting(cls, s: Setting, calibration: Calibration = CALIBRATION) -> ClusterCostModel:
+        """The model of Table-1 setting ``s`` (its model, K, #Op, #Data and L)."""
+        return cls(
+            s.config,
+            n_stages=s.n_stages,
+            n_op=s.n_op,
+            n_data=s.n_data,
+            seq_len=s.seq_len,
+            calibration=calibration,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ClusterCostModel({self.cfg.name}, K={self.n_stages}, #Op={self.n_op}, "
+            f"#Data={self.n_data}, L={self.seq_len})"
+        )
+
+    # ---- rates and one layer --------------------------------------------------------
+
+    @property
+    def _hbm(self) -> float:
+        return hbm_rate(self.cal, self.hw)
+
+    @property
+    def _nvlink_bus(self) -> float:
+        return nvlink_bus(self.cal, self.hw)
+
+    def _intra_p2p(self, a: int, b: int) -> float:
+        """Bytes/s from local GPU ``a`` to ``b``: their NVLinks, or PCIe through host
+        memory (two copies) when the pair has none."""
+        links = self.hw.links(a, b)
+        peak = links * self.hw.nvlink_link if links else self.hw.pcie / 2
+        return self.cal.nvlink_efficiency * peak
+
+    @property
+    def params_per_layer(self) -> float:
+        """Parameters of one layer on one GPU of the #Op group."""
+        return n_params_per_layer(self.cfg) / self.n_op
+
+    def layer_times(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """GPU seconds of one layer's (forward, backward) for a slice, on one GPU."""
+        return layer_times(
+            self.cfg, self.n_op, batch_slice_size, length, context, cal=self.cal, hw=self.hw
+        )
+
+    @cached_property
+    def host_floor(self) -> float:
+        """Seconds a layer's forward takes at least (Fig. 3's flat region): the GPU time
+        of a ``knee_tokens``-token forward of one ``knee_model`` layer on one GPU."""
+        knee = get_config(self.cal.knee_model)
+        tokens, context = np.array([self.cal.knee_tokens]), np.array([0])
+        fwd, _ = layer_times(knee, 1, 1, tokens, context, cal=self.cal, hw=self.hw)
+        return float(fwd[0])
+
+    # ---- one stage -------------------------------------------------------------------
+
+    def stage_times(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Compute seconds of one stage (N/K layers) for a slice: (forward, backward),
+        without the broadcast of received tensors inside the #Op group."""
+        fwd, bwd = self.layer_times(batch_slice_size, length, context)
+        floor = self.host_floor
+        return (
+            self.layers_per_stage * np.maximum(fwd, floor),
+            self.layers_per_stage * np.maximum(bwd, self.cal.backward_floor * floor),
+        )
+
+    def _op_broadcast(self, nbytes: np.ndarray) -> np.ndarray:
+        if self.n_op == 1:
+            return np.zeros_like(nbytes)
+        return nbytes / self._nvlink_bus + self.cal.collective_latency
+
+    def node_of(self, stage: int, op_rank: int = 0, replica: int = 0) -> int:
+        """Node of a GPU under the paper's rank order (op, then stage, then replica)."""
+        rank = gpu_rank(stage, op_rank, replica, n_stages=self.n_stages, n_op=self.n_op)
+        return rank // self.hw.gpus_per_node
+
+    def crosses_nodes(self, src: int, dst: int) -> bool:
+        """Whether a send from stage ``src`` to the adjacent stage ``dst`` leaves the node."""
+        a, b = send_ranks(src, dst, self.n_op)
+        return a // self.hw.gpus_per_node != b // self.hw.gpus_per_node
+
+    def p2p(self, src: int, dst: int, nbytes: np.ndarray | float) -> np.ndarray:
+        """Seconds to move ``nbytes`` from stage ``src`` to the adjacent stage ``dst``."""
+        nbytes = np.asarray(nbytes, dtype=float)
+        if self.crosses_nodes(src, dst):
+            net = self.cal.network_efficiency * self.hw.network
+            return nbytes / net + self.cal.inter_node_latency
+        a, b = send_ranks(src, dst, self.n_op)
+        g = self.hw.gpus_per_node
+        return nbytes / self._intra_p2p(a % g, b % g) + self.cal.intra_node_latency
+
+    def receive(self, src: int, dst: int, nbytes: np.ndarray | float) -> np.ndarray:
+        """Seconds the receiving stage itself is busy with a receive: the whole transfer
+        (rendezvous), only the call's latency (eager: the data waits in NCCL's buffer),
+        or nothing (async)."""
+        nbytes = np.asarray(nbytes, dtype=float)
+        if self.cal.comm == "rendezvous":
+            return self.p2p(src, dst, nbytes)
+        if self.cal.comm == "async":
+            return np.zeros_like(nbytes)
+        cross = self.crosses_nodes(src, dst)
+        latency = self.cal.inter_node_latency if cross else self.cal.intra_node_latency
+        return np.full_like(nbytes, latency)
+
+    def stage_comm(self, stage: int, nbytes: np.ndarray | float) -> np.ndarray:
+        """Seconds of pipeline communication stage ``stage`` adds per unit: its send to
+        each neighbour (on the critical path even when asynchronous), its share of each
+        receive, and the #Op broadcast of what it received."""
+        nbytes = np.asarray(nbytes, dtype=float)
+        total = np.zeros_like(nbytes)
+        for nbr in (stage - 1, stage + 1):
+            if 0 <= nbr < self.n_stages:
+                total = total + self.p2p(stage, nbr, nbytes) + self.receive(nbr, stage, nbytes)
+                total = total + self._op_broadcast(nbytes)
+        return total
+
+    # ---- SliceCostModel (planner) ----------------------------------------------------
+
+    def slice_time(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> np.ndarray:
+        """Forward + backward seconds of one stage for a slice plus the pipeline
+        communication of the busiest stage: the planner's t(l, c) (Eq. 4)."""
+        length, context = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
+        fwd, bwd = self.stage_times(batch_slice_size, length, context)
+        nbytes = FP16 * batch_slice_size * length * self.cfg.hidden
+        comm = np.max([self.stage_comm(k, nbytes) for k in range(self.n_stages)], axis=0)
+        return fwd + bwd + comm
+
+    # ---- ActionCosts (simulator) -----------------------------------------------------
+
+    def compute(self, stage: int, action: Action, plan: Plan) -> float:
+        """A stage's forward or backward of a unit, with the #Op broadcast of the
+        received input (forward) or gradient (backward)."""
+        size, length, context = unit_shape(plan, action)
+        receives = stage > 0 if action.kind == "F" else stage < self.n_stages - 1
+        return self._compute(action.kind, receives, size, length, context)
+
+    @memo
+    def _compute(self, kind: str, receives: bool, size: int, length: int, context: int) -> float:
+        fwd, bwd = self.stage_times(size, np.array([length]), np.array([context]))
+        t = float((fwd if kind == "F" else bwd)[0])
+        if receives:
+            nbytes = np.array([FP16 * size * length * self.cfg.hidden])
+            t += float(self._op_broadcast(nbytes)[0])
+        return t
+
+    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
+        """A send's time on the link; a receive's own time on the receiving stage."""
+        size, length, _ = unit_shape(plan, action)
+        src = {"SA": stage, "RA": stage - 1, "SG": stage, "RG": stage + 1}[action.kind]
+        dst = {"SA": stage + 1, "RA": stage, "SG": stage - 1, "RG": stage}[action.kind]
+        return self._transfer(action.kind in ("SA", "SG"), src, dst, size, length)
+
+    @memo
+    def _transfer(self, send: bool, src: int, dst: int, size: int, length: int) -> float:
+        nbytes = FP16 * size * length * self.cfg.hidden
+        return float(self.p2p(src, dst, nbytes) if send else self.receive(src, dst, nbytes))
+
+    def stage_params(self, stage: int = 0) -> float:
+        """Parameters one GPU of ``stage`` holds (every stage holds N/K layers)."""
+        return self.layers_per_stage * self.params_per_layer
+
+    def allreduce(self, stage: int) -> float:
+        """Data-parallel ring all-reduce of the stage's fp16 gradients over #Data
+        replicas, each on another node; the 8 GPUs of a node share its link."""
+        n = self.n_data
+        if n == 1:
+            return 0.0
+        params = self.stage_params(stage)
+        grads = FP16 * params
+        if self.node_of(stage, replica=0) == self.node_of(stage, replica=1):
+            wire = ring_allreduce(grads, n, self._nvlink_bus, self.cal.collective_latency)
+        else:
+            share = self.cal.allreduce_efficiency * self.hw.network / self.hw.gpus_per_node
+            wire = ring_allreduce(grads, n, share, self.cal.inter_node_latency)
+        return float(wire) + ALLREDUCE_COPY_BYTES * params / self._hbm
+
+    def optimizer(self, stage: int) -> float:
+        """Mixed-precision Adam step over the stage's parameters: memory-bound."""
+        return OPTIMIZER_BYTES * self.stage_params(stage) / self._hbm
+
+    # ---- memory ----------------------------------------------------------------------
+
+    def memory(self, plan: Plan) -> MemoryEstimate:
+        """Peak memory per GPU for running ``plan`` on this layout."""
+        return memory_per_gpu(
+            self.cfg,
+            n_stages=self.n_stages,
+            n_op=self.n_op,
+            plan=plan,
+            calibration=self.cal,
+            hardware=self.hw,
+        )

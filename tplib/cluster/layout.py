@@ -1,0 +1,58 @@
+"""Cluster layouts: the rules a Table-1 layout must follow, and where its GPUs sit.
+
+A layout is #Pipe stages K of N/K layers each, each stage operation-partitioned
+(Megatron) over #Op GPUs, and #Data data-parallel replicas of the whole pipeline.
+:func:`check_layout` is the one place its rules are written; the cluster model and the
+plan explorer both call it.
+
+Placement follows the paper's rank order (op innermost, then stage, then replica): node
+n holds ranks 8n..8n+7, so it holds 8/#Op consecutive stages of one replica. Stage k
+sends one copy of its output from its last GPU to the first GPU of stage k+1 (their
+NVLinks in a node, or PCIe through host memory where the hybrid cube-mesh has no link,
+e.g. GPUs 3 -> 4; the node's 25 Gbps across nodes), which broadcasts it to its #Op group.
+Replicas of a stage sit on different nodes, so the data-parallel all-reduce crosses the
+network.
+"""
+
+from __future__ import annotations
+
+from tplib.cluster.hardware import P3_16XLARGE, Hardware
+from tplib.config import GPTConfig
+
+__all__ = ["check_layout", "gpu_rank", "send_ranks"]
+
+
+def check_layout(
+    cfg: GPTConfig, *, n_stages: int, n_op: int, n_data: int, hardware: Hardware = P3_16XLARGE
+) -> None:
+    """Raise ``ValueError`` naming the value and the rule unless ``cfg`` runs on
+    ``n_stages`` equal stages, each partitioned over ``n_op`` GPUs of one node, in
+    ``n_data`` replicas."""
+    if n_stages < 1 or cfg.n_layer % n_stages:
+        raise ValueError(
+            f"n_stages={n_stages} does not divide {cfg.name}'s {cfg.n_layer} layers: the "
+            "paper gives every stage the same number of layers"
+        )
+    g = hardware.gpus_per_node
+    if n_op < 1 or g % n_op or cfg.n_head % n_op:
+        raise ValueError(
+            f"n_op={n_op} must divide the {g} GPUs of a node (the paper partitions "
+            f"operations only inside a node) and {cfg.name}'s {cfg.n_head} heads"
+        )
+    if n_data < 1:
+        raise ValueError(f"n_data={n_data}: need at least one data-parallel replica")
+
+
+def gpu_rank(stage: int, op_rank: int = 0, replica: int = 0, *, n_stages: int, n_op: int) -> int:
+    """Global rank of a GPU under the paper's rank order (op, then stage, then replica)."""
+    return (replica * n_stages + stage) * n_op + op_rank
+
+
+def send_ranks(src: int, dst: int, n_op: int) -> tuple[int, int]:
+    """Ranks (in replica 0) of the GPUs that carry a send from stage ``src`` to the
+    adjacent stage ``dst``: the last GPU of the sender forward, the first GPU of the
+    sender backward."""
+    last = n_op - 1
+    if dst > src:
+        return src * n_op + last, dst * n_op
+    return src * n_op, dst * n_op + last

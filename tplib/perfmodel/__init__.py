@@ -1,0 +1,57 @@
+"""Cost model from measurements: profile one pipeline stage and predict its slice times
+(paper §3.3, Eq. 9).
+
+- :mod:`~tplib.perfmodel.profile`: :class:`Profile`, measured slice times as plain data
+  (Eq. 9's context model, JSON files); the planner's cost model;
+- :mod:`~tplib.perfmodel.build`: :func:`build_profile`, from any ``measure(b, l, c)``:
+  where to measure, the fit and its held-out score, smoothing;
+- :mod:`~tplib.perfmodel.timer`: :class:`StageTimer`, :func:`profile_stage` and
+  :func:`profile_pipeline`, which time real stages with torch.
+
+Planning from a saved profile never imports torch: the timer's names are loaded on first
+use (PEP 562), everything else is torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tplib.perfmodel.build import build_profile, context_points, smooth_lengths
+from tplib.perfmodel.profile import (
+    DEFAULT_LINK_BANDWIDTH,
+    DEFAULT_LINK_LATENCY,
+    DTYPE_BYTES,
+    Profile,
+    ProfileError,
+    context_time,
+    fit_context,
+)
+
+if TYPE_CHECKING:
+    from tplib.perfmodel.timer import DTYPES, StageTimer, profile_pipeline, profile_stage
+
+__all__ = [
+    "DEFAULT_LINK_BANDWIDTH",
+    "DEFAULT_LINK_LATENCY",
+    "DTYPES",
+    "DTYPE_BYTES",
+    "Profile",
+    "ProfileError",
+    "StageTimer",
+    "build_profile",
+    "context_points",
+    "context_time",
+    "fit_context",
+    "profile_pipeline",
+    "profile_stage",
+    "smooth_lengths",
+]
+
+_TIMER = ("DTYPES", "StageTimer", "profile_pipeline", "profile_stage")  # these need torch
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TIMER:
+        return getattr(importlib.import_module("tplib.perfmodel.timer"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,135 @@
+"""Joint batch x token plans (paper §3.4): how to split the batch, and slice each part.
+
+Two objectives over the same token DP (:mod:`tplib.planner.dp`):
+
+* :func:`paper_joint`, the paper's: the token DP for every batch-slice size b, then a
+  knapsack over the batch split minimising ``sum_d T_{b_d}``. It counts the fill term
+  ``(K - 1) t_max`` once per batch slice.
+* :func:`exact_joint`: one ``t_max`` shared by all units; per eps-window, S*_b for every
+  b, a knapsack over the batch split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max``
+  once: the true fill-drain latency, searched by the same branch and bound.
+
+:func:`plan` is the planner's entry point and picks one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from tplib.costs import SliceCostModel
+from tplib.plan import Plan
+from tplib.planner.dp import Search, bottleneck, prepare, run_dp, token_search, trace, windows
+
+__all__ = ["exact_joint", "paper_joint", "plan"]
+
+ROWS = 128  # DP rows per sweep in exact_joint (one row per batch-slice size per probe)
+
+
+def _knapsack(V: np.ndarray, batch: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Per row r: the multiset of batch-slice sizes (column c is size c + 1) summing to
+    ``batch`` with the least total ``V[r]``; returns the totals and sizes (largest first)."""
+    rows = np.arange(len(V))
+    f = np.full((len(V), batch + 1), np.inf)
+    f[:, 0] = 0.0
+    pick = np.zeros((len(V), batch + 1), dtype=np.int64)
+    for x in range(1, batch + 1):
+        h = min(x, V.shape[1])
+        v = f[:, x - 1 - np.arange(h)] + V[:, :h]
+        pick[:, x] = v.argmin(axis=1) + 1
+        f[:, x] = v[rows, pick[:, x] - 1]
+    splits = []
+    for r in rows:
+        x, sizes = batch, []
+        while x > 0 and np.isfinite(f[r, batch]):
+            sizes.append(int(pick[r, x]))
+            x -= sizes[-1]
+        splits.append(sorted(sizes, reverse=True))
+    return f[:, batch], splits
+
+
+def paper_joint(
+    cost: SliceCostModel,
+    *,
+    seq_len: int,
+    batch: int,
+    n_stages: int,
+    granularity: int = 8,
+    eps: float = 0.0,
+    max_batch_slice_size: int | None = None,
+) -> Plan:
+    """§3.4: the token DP for every batch-slice size b, then the batch split minimising
+    ``sum_d T_{b_d}``; ``Plan.latency`` is that sum (fill term counted per batch slice)."""
+    ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
+    best = token_search(ce, range(1, bmax + 1), n_stages, eps, granularity)
+    total, splits = _knapsack(np.array([[best[b].latency for b in range(1, bmax + 1)]]), batch)
+    sizes = splits[0]
+    return Plan(
+        tuple(sizes),
+        tuple(best[b].slices for b in sizes),
+        float(total[0]),
+        max(best[b].t_max for b in sizes),
+        eps,
+    )
+
+
+def exact_joint(
+    cost: SliceCostModel,
+    *,
+    seq_len: int,
+    batch: int,
+    n_stages: int,
+    granularity: int = 8,
+    eps: float = 0.0,
+    max_batch_slice_size: int | None = None,
+) -> Plan:
+    """One t_max for all units: per window, S*_b for every b, a knapsack over the batch
+    split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max`` once: the true latency."""
+    ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
+    bs = np.arange(1, bmax + 1)
+    starts, tops = windows(np.unique(ce[1:][np.isfinite(ce[1:])]), eps)
+    floor = bottleneck(ce, bs).min()
+    search = Search(starts[tops >= floor], tops[tops >= floor], n_stages)
+    result = None
+    while len(p := search.probes(max(1, ROWS // bmax))):
+        S, M, back = run_dp(ce, np.tile(bs, len(p)), np.repeat(search.tops[p], bmax))
+        S, M = S.reshape(len(p), bmax), M.reshape(len(p), bmax)
+        total, splits = _knapsack(S, batch)
+        peak = np.array(
+            [max((M[r, b - 1] for b in s), default=np.inf) for r, s in enumerate(splits)]
+        )
+        k = search.report(p, total, total + (n_stages - 1) * peak)
+        if k >= 0:
+            ts = tuple(trace(back[k * bmax + b - 1], granularity) for b in splits[k])
+            result = (splits[k], ts, float(total[k] + (n_stages - 1) * peak[k]), peak[k])
+    assert result is not None  # the unlimited window always yields a plan
+    return Plan(tuple(result[0]), result[1], result[2], float(result[3]), eps)
+
+
+def plan(
+    cost: SliceCostModel,
+    *,
+    seq_len: int,
+    batch: int,
+    n_stages: int,
+    granularity: int = 8,
+    eps: float = 0.0,
+    method: Literal["exact", "paper"] = "exact",
+    max_batch_slice_size: int | None = None,
+) -> Plan:
+    """The planner's entry point: ``exact_joint`` (default) or the paper's ``paper_joint``.
+    ``Plan.latency`` is the chosen objective's prediction; batch slices never exceed
+    ``max_batch_slice_size`` nor the cost model's own ``max_batch_slice_size``."""
+    methods = {"exact": exact_joint, "paper": paper_joint}
+    if method not in methods:
+        raise ValueError(f"method={method!r}: choose 'exact' or 'paper'")
+    return methods[method](
+        cost,
+        seq_len=seq_len,
+        batch=batch,
+        n_stages=n_stages,
+        granularity=granularity,
+        eps=eps,
+        max_batch_slice_size=max_batch_slice_size,
+    )
