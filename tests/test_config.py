@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tplib.config import MODELS, GPTConfig, get_config, n_params
+from tplib.config import MODELS, GPTConfig, get_config, n_params, stage_params
 from tplib.model import build_model
 
 
@@ -37,6 +37,14 @@ def test_paper_models_follow_table_1(name: str, layers: int, hidden: int) -> Non
 def test_count_equals_built_model_on_meta(name: str) -> None:
     model = build_model(get_config(name), device="meta")
     assert sum(p.numel() for p in model.parameters()) == n_params(get_config(name))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize(("lo", "hi"), [(0, 4), (0, 1), (1, 3), (3, 4)])
+def test_stage_count_equals_built_stage_on_meta(lo: int, hi: int, tied: bool) -> None:
+    cfg = get_config("tiny").with_(tie_embeddings=tied)
+    stage = build_model(cfg, lo, hi, device="meta")
+    assert sum(p.numel() for p in stage.parameters()) == stage_params(cfg, lo, hi)
 
 
 def test_175b_builds_on_meta_without_memory() -> None:

@@ -1,54 +1,59 @@
-"""Tests for tplib.measure (and the link measurement and stage profiles it builds on), on
-the tiny model: every function runs end to end on real processes in well under a minute.
-The accuracy target itself (the simulator within 10% on the "small" model) is a
-measurement, not a unit test: ``notebooks/simulator_validation.ipynb``."""
+"""Tests for tplib.measure: costs from measured profiles, stages sharing cores, and the
+harness's rows; the measured tables run end to end on the tiny model, on real processes,
+in well under a minute. The accuracy target itself (the simulator within 10% on the
+"small" model) is a measurement, not a unit test: ``notebooks/simulator_validation.ipynb``."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
 
-from tplib import measure
-from tplib.config import get_config
-from tplib.launch import LocalPool, measure_link
-from tplib.perfmodel import (
-    Profile,
-    ProfileError,
-    build_profile,
-    profile_pipeline,
-    profile_stage,
-    smooth_lengths,
+from tplib import machine
+from tplib.costs import Link
+from tplib.measure import (
+    BYTES_PER_ACTIVATION,
+    BottleneckCost,
+    Measured,
+    Profiling,
+    grid,
+    local_costs,
+    simulate_shared,
 )
+from tplib.perfmodel import Profile, profile_pipeline, profile_stage
 from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
+from tplib.runtime import LocalPool, RankResult, RunConfig, RunResult, measure_link
 from tplib.schedule import make_schedule
-from tplib.simulate import simulate
+from tplib.simulate import ConstantCosts, simulate
+from tplib.tables import run_table
 
-# Other jobs on the machine make measure_run warn; that is its business, not these tests'.
+# Other jobs on the machine make the harness warn; that is its business, not these tests'.
 pytestmark = pytest.mark.filterwarnings("ignore:.*cores were busy with other work")
 
-TINY = get_config("tiny")
 # Tables on the tiny model: short sequences, one timed iteration, no warm-up.
-SMALL_RUN = {"model": "tiny", "model_overrides": (), "iters": 1, "warmup": 0, "progress": False}
-FAST = measure.Profiling(rounds=1)
+TINY = {"model": "tiny", "model_overrides": {}, "iters": 1, "warmup": 0, "progress": False}
+FAST = {"rounds": 1}
 
 
 @pytest.fixture
 def quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     """Skip sampling the other jobs' load around each run (twice 0.25 s): the table
     tests check what the functions return, not this machine."""
-    monkeypatch.setattr(measure, "busy_cores", lambda window_s=0.0: 0.0)
+    monkeypatch.setattr("tplib.measure.harness.busy_cores", lambda window_s=0.0: 0.0)
 
 
 @pytest.fixture(scope="module")
-def link() -> tuple[float, float]:
+def link() -> Link:
     return measure_link(n_bytes_list=(2**10, 2**16), repeats=3)
 
 
@@ -63,77 +68,20 @@ def profiles() -> list[Profile]:
     return profile_pipeline("tiny", 2, seq_len=64, granularity=8, repeats=1, progress=False)
 
 
-def test_measure_link_gives_positive_finite_numbers(link: tuple[float, float]) -> None:
-    bandwidth, latency = link
-    assert math.isfinite(bandwidth) and bandwidth > 0
-    assert math.isfinite(latency) and latency > 0
-    with pytest.raises(ValueError, match="two"):
-        measure_link(n_bytes_list=(1024,))
-
-
-def test_busy_cores_is_a_core_count() -> None:
-    busy = measure.busy_cores(0.05)
-    assert math.isnan(busy) or 0.0 <= busy <= (os.cpu_count() or 1)
-
-
 def test_pipeline_profiles_time_the_real_stages(profiles: list[Profile]) -> None:
     assert [p.stage for p in profiles] == [(0, 2), (2, 4)]
-    assert [p.n_layers for p in profiles] == [2, 2]
+    assert [p.layers_per_stage for p in profiles] == [2, 2]
     for p in profiles:
         assert 0 < p.fwd_fraction < 1 and p.optimizer_time > 0
-        assert p.threads >= 1
-        s, c = np.array([8, 16, 8]), np.array([0, 8, 24])
-        np.testing.assert_allclose(
-            p.slice_time(1, s, c), p.compute_time(1, s, c) + p.comm_time(1, s), rtol=1e-12
-        )
-    with pytest.raises(ProfileError, match="layer range"):
-        profile_stage("tiny", stage=(2, 9), seq_len=32, progress=False)
+        assert p.threads == machine.threads_per_process(2)
 
 
-def test_smoothing_keeps_a_quadratic_and_damps_noise() -> None:
-    g, n = 64, 16
-    length = g * np.arange(1, n + 1)
-    exact = 2e-3 + 1e-5 * length + 3e-9 * length**2
-    np.testing.assert_allclose(smooth_lengths(exact, g), exact, rtol=1e-9)
-    rng = np.random.default_rng(0)
-    noisy = exact * (1 + rng.normal(0, 0.05, (20, n)))  # 5% timing noise, 20 tables
-    smooth = np.array([smooth_lengths(row, g) for row in noisy])
-    assert np.abs(smooth / exact - 1).mean() < 0.6 * np.abs(noisy / exact - 1).mean()
-    assert (np.diff(smooth) > 0).all() and not (np.diff(noisy) > 0).all()
-    np.testing.assert_array_equal(smooth_lengths(noisy[0, :3], g), noisy[0, :3])
-
-
-def test_median_rounds_and_smoothed_tables_are_recorded() -> None:
-    visits: dict[tuple[int, int, int], int] = {}
-
-    def flaky(b: int, s: int, c: int) -> float:  # slow on every third visit
-        visits[b, s, c] = visits.get((b, s, c), 0) + 1
-        return (1e-3 + 1e-5 * s + 1e-7 * c) * (2.0 if visits[b, s, c] == 3 else 1.0)
-
-    prof = build_profile(
-        flaky, config=TINY, n_layers=1, seq_len=64, rounds=3, reduce="median", smooth=True
-    )
-    assert prof.reduce == "median" and len(prof.raw_times) == 1
-    np.testing.assert_allclose(prof.raw_times[0], [1e-3 + 1e-5 * s for s in range(8, 65, 8)])
-    np.testing.assert_allclose(prof.times[0], prof.raw_times[0], rtol=1e-9)  # already linear
-    with pytest.raises(ProfileError, match="reduce"):
-        build_profile(flaky, config=TINY, n_layers=1, seq_len=64, reduce="mean")
-
-
-def test_stage_profile_survives_a_file_round_trip(profiles: list[Profile], tmp_path: Path) -> None:
-    path = tmp_path / "stage.json"
-    profiles[1].save(path)
-    assert Profile.load(path) == profiles[1]
-
-
-def test_local_costs_drive_the_simulator(
-    profiles: list[Profile], link: tuple[float, float]
-) -> None:
-    costs = measure.local_costs(profiles, link)
+def test_local_costs_drive_the_simulator(profiles: list[Profile], link: Link) -> None:
+    costs = local_costs(profiles, link)
     p = Plan.uniform(2, 64, n_token_slices=4)
     sim = simulate(make_schedule("terapipe", 2, p), costs)
     assert sim.latency > 0 and 0 < sim.bubble_fraction < 1
-    # Forward and backward split the profiled slice time; sends cost the link, receives nothing.
+    # Forward and backward split the profiled slice time of unit b0 t2 (16 tokens after 32).
     f, b = (
         sim.timeline.query(f"stage == 1 and kind == '{k}' and b == 0 and t == 2")
         for k in ("F", "B")
@@ -142,131 +90,151 @@ def test_local_costs_drive_the_simulator(
     assert both == pytest.approx(
         float(profiles[1].compute_time(1, np.array([16]), np.array([32]))[0])
     )
-    sends = sim.timeline[sim.timeline.kind == "SA"]
-    assert ((sends.end - sends.start) > link[1]).all()
-    # The tied embedding is all-reduced between the first and last stage.
-    assert all(costs.allreduce(k) > 0 for k in range(2))
+    # A send of 16 tokens of tiny's 32 float32 hidden values takes the link's time for them.
+    sends = sim.timeline[(sim.timeline.kind == "SA") & (sim.timeline.t == 2)]
+    nbytes = 16 * 32 * 4
+    assert (sends.end - sends.start).iloc[0] == pytest.approx(
+        link.latency + nbytes / link.bandwidth
+    )
     assert costs.optimizer(0) == profiles[0].optimizer_time
+
+
+def test_allreduce_covers_the_tied_embedding_and_the_replicas(
+    profiles: list[Profile],
+) -> None:
+    link = Link(bandwidth=1e9, latency=1e-5)
+    one = local_costs(profiles, link)
+    # tiny: vocabulary 96 x hidden 32, float32; a ring of 2 moves it once each way.
+    tied = 96 * 32 * BYTES_PER_ACTIVATION / 1e9 + 2 * 1e-5
+    assert one.allreduce(0) == pytest.approx(tied) and one.allreduce(1) == pytest.approx(tied)
+    two = local_costs(profiles, link, n_data=2)
+    assert two.allreduce(0) > one.allreduce(0)
     middle = profile_stage("tiny", seq_len=16, granularity=4, repeats=1, progress=False)
     with pytest.raises(ValueError, match="profile_pipeline"):
-        measure.local_costs([middle, middle], link)
+        local_costs([middle, middle], link)
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        local_costs(profiles, Link(0.0, 1e-5))
 
 
-def test_shared_cores_stretch_only_what_runs_at_the_same_time(
-    profiles: list[Profile], link: tuple[float, float]
+def test_bottleneck_cost_is_the_slowest_stage_plus_communication(
+    profiles: list[Profile],
 ) -> None:
-    costs = measure.local_costs(profiles, link)
+    cost = BottleneckCost(profiles)
+    s, c = np.array([8, 32]), np.array([8, 16])
+    each = [p.compute_time(1, s, c) for p in profiles]
+    expected = np.maximum(each[0], each[1]) + profiles[0].comm_time(1, s)
+    np.testing.assert_allclose(cost.slice_time(1, s, c), expected)
+    assert cost.max_batch_slice_size == 1
+
+
+def test_shared_cores_stretch_only_what_runs_at_the_same_time() -> None:
+    costs = ConstantCosts(t_f=1.0, t_b=2.0, t_optimizer=0.5)
     gpipe = make_schedule("gpipe", 2, Plan.gpipe(1, 64))
     tera = make_schedule("terapipe", 2, Plan.uniform(1, 64, n_token_slices=8))
     for schedule in (gpipe, tera):
         alone = simulate(schedule, costs).latency
         for busy in (0.0, float("nan")):  # the stages fit in the cores, or the load is unknown
-            shared = measure.simulate_shared(schedule, costs, cores=2, busy=busy)
-            assert shared.latency == pytest.approx(alone)
-        assert measure.simulate_shared(schedule, costs, cores=8, busy=4).latency == pytest.approx(
-            alone
-        )
-    # One core taken: GPipe's stages on one sequence never overlap (but for the optimizer
-    # step), TeraPipe's do, so TeraPipe loses more; with every core taken both slow down.
+            assert simulate_shared(schedule, costs, cores=2, busy=busy).latency == alone
+        assert simulate_shared(schedule, costs, cores=8, busy=4).latency == alone
+    # GPipe on one sequence: the stages never work at the same time but for the final
+    # optimizer steps, so one busy core stretches only those; TeraPipe's stages overlap.
     slow = {
-        s.name: measure.simulate_shared(s, costs, cores=2, busy=1).latency
-        / simulate(s, costs).latency
+        s.name: simulate_shared(s, costs, cores=2, busy=1).latency / simulate(s, costs).latency
         for s in (gpipe, tera)
     }
     assert 1.0 <= slow["gpipe"] < slow["terapipe"] <= 1.5 + 1e-9
-    crowded = measure.simulate_shared(gpipe, costs, cores=2, busy=2).latency
+    crowded = simulate_shared(gpipe, costs, cores=2, busy=2).latency
     assert crowded / simulate(gpipe, costs).latency > 1.2 * slow["gpipe"]
 
 
-def test_bottleneck_cost_plans_within_the_profile(profiles: list[Profile]) -> None:
-    cost = measure.BottleneckCost(profiles)
-    s, c = np.array([8, 32]), np.array([8, 16])
-    slowest = np.maximum(profiles[0].compute_time(1, s, c), profiles[1].compute_time(1, s, c))
-    np.testing.assert_allclose(cost.slice_time(1, s, c), slowest + profiles[0].comm_time(1, s))
+def test_a_measured_row_reports_the_median_and_the_simulators_error() -> None:
+    run = RunConfig(n_stages=1, batch=1, seq_len=8)
+    rank = RankResult(0, 0, 0, (0, 4), iteration_s=[1.0, 2.0, 10.0])
+    sim = simulate(make_schedule("gpipe", 1, run.plan), ConstantCosts(t_f=1.0, t_b=2.0))
+    assert sim.latency == 3.0
+    m = Measured(RunResult(run, [rank]), sim, sim, busy_cores=0.5)
+    row = m.row("_x")
+    assert row["latency_x"] == 2.0  # the median of 1, 2 and 10
+    assert row["latency_x_mean"] == pytest.approx(13 / 3) and row["latency_x_min"] == 1.0
+    assert row["err_simulated_latency_x"] == pytest.approx(0.5)  # 3 s simulated vs 2 s measured
+    assert row["busy_cores_x"] == 0.5
 
 
-def test_validate_simulator_on_tiny(link: tuple[float, float], pool: LocalPool) -> None:
-    runs: dict[str, measure.Measured] = {}
-    df = measure.validate_simulator(
-        "tiny",
-        seq_len=64,
-        iters=2,
-        profiling=FAST,
-        link=link,
-        pool=pool,
-        progress=False,
-        runs=runs,
+def test_profiling_options_come_from_a_notebook_dict() -> None:
+    assert Profiling.of({"rounds": 2, "batch_slice_sizes": [1, 2]}) == Profiling(
+        rounds=2, batch_slice_sizes=(1, 2)
     )
-    for col in ("schedule", "plan", "latency", "latency_std", "latency_median",
-                "simulated_latency", "err_latency", "bubble"):  # fmt: skip
-        assert col in df.columns, col
-    assert list(df.schedule) == ["gpipe", "terapipe"]
-    assert (df.latency > 0).all() and (df.simulated_latency > 0).all()
-    r = df.iloc[1]
-    assert r.err_latency == pytest.approx(r.simulated_latency / r.latency_median - 1)
-    assert len(runs["terapipe"].latencies) == 2
-    assert set(runs["terapipe"].sim.timeline.kind) >= {"F", "B", "SA", "RA", "AR", "OPT"}
+    with pytest.raises(ValueError, match="profiling="):
+        Profiling.of({"round": 2})
+    assert grid(1024, None, 8) == 128 and grid(1024, 64, 8) == 64
+    with pytest.raises(ValueError, match="granularity g=100"):
+        grid(1024, 100, 8)
 
 
 def _check_measured(df: pd.DataFrame, suffixes: tuple[str, ...]) -> None:
     for s in suffixes:
-        for col in (f"latency{s}", f"latency{s}_std", f"latency{s}_median",
-                    f"simulated_latency{s}", f"err_latency{s}"):  # fmt: skip
-            assert col in df.columns, col
+        lat = df[f"latency{s}"]
+        assert (df[f"latency{s}_min"] <= lat).all() and (lat > 0).all()
+        assert (df[f"latency{s}_std"] >= 0).all()
+        for col in (f"simulated_latency{s}", f"err_simulated_latency{s}", f"busy_cores{s}"):
             assert df[col].notna().all(), col
 
 
 @pytest.mark.usefixtures("quiet")
-def test_main_results_measured(link: tuple[float, float], pool: LocalPool) -> None:
-    fast = replace(FAST, granularity=16, batch_sizes=(1, 2))
-    df = measure.main_results((1, 2), seq_len=64, profiling=fast, link=link, pool=pool, **SMALL_RUN)
+def test_main_results_measured(link: Link, pool: LocalPool) -> None:
+    result = run_table(
+        "main_results", "measure", batches=[1, 2], seq_len=64, link=link, pool=pool,
+        profiling={**FAST, "granularity": 16, "batch_slice_sizes": (1, 2)}, **TINY,
+    )  # fmt: skip
+    plt.close(result.figure)
+    df = result.df
     _check_measured(df, ("_gpipe", "_terapipe"))
-    assert list(df.batch) == [1, 2] and "plan" in df.columns
-    r = df.iloc[1]
-    Plan.from_paper(r.plan).check_covers(2, 64)
-    assert r.speedup == pytest.approx(r.latency_gpipe_median / r.latency_terapipe_median)
-    assert r.simulated_speedup == pytest.approx(
-        r.simulated_latency_gpipe / r.simulated_latency_terapipe
-    )
+    assert list(df.pipeline_batch) == [1, 2]
+    Plan.from_paper(df.plan.iloc[1]).check_covers(2, 64)
+    assert "pipeline_batch=2: TeraPipe" in result.findings
 
 
 @pytest.mark.usefixtures("quiet")
-def test_dp_ablation_measured(link: tuple[float, float], pool: LocalPool) -> None:
-    fast = replace(FAST, granularity=8)
-    df = measure.dp_ablation((1, 4), seq_len=64, profiling=fast, link=link, pool=pool, **SMALL_RUN)
+def test_dp_ablation_measured(link: Link, pool: LocalPool) -> None:
+    result = run_table(
+        "dp_ablation", "measure", slices=[1, 4], seq_len=64, link=link, pool=pool,
+        profiling={**FAST, "granularity": 8}, **TINY,
+    )  # fmt: skip
+    plt.close(result.figure)
+    df = result.df
     _check_measured(df, ("",))
     assert list(df.algorithm) == ["#Slices=1", "#Slices=4", "DP"]
-    assert df["rank"].min() == 1 and df.simulated_rank.min() == 1
+    assert sorted(df["rank"])[0] == 1 and sorted(df.simulated_rank)[0] == 1
     with pytest.raises(ValueError, match="grid"):
-        measure.dp_ablation((3,), seq_len=64, profiling=fast, link=link, **SMALL_RUN)
+        run_table("dp_ablation", "measure", slices=[3], seq_len=64, link=link, **TINY)
 
 
 @pytest.mark.usefixtures("quiet")
-def test_seqlen_sweep_measured(link: tuple[float, float], pool: LocalPool) -> None:
-    df = measure.seqlen_sweep(
-        (32, 64), (2, 1), n_grid=4, profiling=FAST, link=link, pool=pool, **SMALL_RUN
-    )
-    _check_measured(df, ("_gpipe", "_terapipe"))
-    assert list(zip(df.seq_len, df.batch, strict=True)) == [(32, 2), (64, 1)]
+def test_seqlen_sweep_measured(link: Link, pool: LocalPool) -> None:
+    result = run_table(
+        "seqlen_sweep", "measure", seq_lens=[32, 64], batches=[2, 1], n_grid=4, link=link,
+        pool=pool, profiling=FAST, **TINY,
+    )  # fmt: skip
+    plt.close(result.figure)
+    _check_measured(result.df, ("_gpipe", "_terapipe"))
+    assert list(zip(result.df.seq_len, result.df.pipeline_batch, strict=True)) == [(32, 2), (64, 1)]
     with pytest.raises(ValueError, match="one batch size per"):
-        measure.seqlen_sweep((32, 64), (1,), link=link, **SMALL_RUN)
+        run_table("seqlen_sweep", "measure", seq_lens=[32, 64], batches=[1], link=link, **TINY)
 
 
-def test_validation_notebook_runs_under_papermill(
-    link: tuple[float, float], tmp_path: Path
-) -> None:
+def test_validation_notebook_runs_under_papermill(link: Link, tmp_path: Path) -> None:
     import papermill as pm
 
     params = {"model": "tiny", "seq_len": 64, "n_slices": 4, "iters": 2, "link": list(link)}
     pm.execute_notebook(
         str(notebooks_dir() / "simulator_validation.ipynb"),
         str(tmp_path / "executed.ipynb"),
-        parameters={**params, "out_dir": str(tmp_path), "tag": "test"},
+        parameters={"mode": "measure", "params": params, "out_dir": str(tmp_path), "tag": "test"},
         kernel_name="python3",
         cwd=str(notebooks_dir()),
         progress_bar=False,
     )
-    csv = tmp_path / "simulator_validation-test.csv"
-    assert csv.exists() and (tmp_path / "simulator_validation-test.png").exists()
-    df = pd.read_csv(csv)
-    assert list(df.schedule) == ["gpipe", "terapipe"]
+    df = pd.read_csv(tmp_path / "simulator_validation-test.csv")
+    assert list(df.schedule) == ["gpipe", "terapipe"] and (df.latency > 0).all()
+    assert (tmp_path / "simulator_validation-test.png").read_bytes()[:4] == b"\x89PNG"
+    assert math.isfinite(df.err_simulated_latency.iloc[1])

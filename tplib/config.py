@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["MODELS", "GPTConfig", "get_config", "n_params", "n_params_per_layer"]
+__all__ = ["MODELS", "GPTConfig", "get_config", "n_params", "n_params_per_layer", "stage_params"]
 
 GPT2_VOCAB = 50257
 
@@ -92,7 +92,16 @@ def n_params_per_layer(cfg: GPTConfig) -> int:
 
 def n_params(cfg: GPTConfig) -> int:
     """Total parameters, counted from the config without allocating the model."""
-    embed = cfg.vocab_size * cfg.hidden + cfg.seq_len * cfg.hidden
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden
-    final_norm = 2 * cfg.hidden
-    return embed + cfg.n_layer * n_params_per_layer(cfg) + final_norm + head
+    return stage_params(cfg, 0, cfg.n_layer)
+
+
+def stage_params(cfg: GPTConfig, lo: int, hi: int) -> int:
+    """Parameters a pipeline stage of layers ``[lo, hi)`` holds: its blocks, the
+    embeddings on the first stage, the final LayerNorm and LM head on the last. With tied
+    embeddings a last stage that is not also the first holds its own copy of the shared
+    matrix (the runtime sums the two copies' gradients), so it counts here."""
+    embed = cfg.vocab_size * cfg.hidden + cfg.seq_len * cfg.hidden if lo == 0 else 0
+    last = hi == cfg.n_layer
+    head_copy = cfg.vocab_size * cfg.hidden if last and not (cfg.tie_embeddings and lo == 0) else 0
+    final_norm = 2 * cfg.hidden if last else 0
+    return embed + (hi - lo) * n_params_per_layer(cfg) + final_norm + head_copy

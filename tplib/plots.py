@@ -11,7 +11,8 @@ Gaps are the pipeline bubbles.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -21,6 +22,8 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
+from tplib.schedule import COMMUNICATION, COMPUTE, Kind
+
 __all__ = [
     "dp_ablation_figure",
     "main_results_figure",
@@ -28,10 +31,12 @@ __all__ = [
     "measured_figure",
     "plot_timeline",
     "seqlen_figure",
+    "validation_figure",
 ]
 
-_COMM = ("SA", "RA", "SG", "RG")
-_STEP_COLORS = {"AR": "0.45", "OPT": "0.75"}
+_COMPUTE = sorted(k.value for k in COMPUTE)
+_COMM = sorted(k.value for k in COMMUNICATION)
+_STEP_COLORS = {Kind.AR.value: "0.45", Kind.OPT.value: "0.75"}  # the update: AR, then OPT
 
 
 def _lighten(color: tuple[float, float, float], amount: float) -> tuple[float, float, float]:
@@ -76,9 +81,9 @@ def plot_timeline(
         start = (part["start"].to_numpy() - t0) / time_unit
         width = (part["end"].to_numpy() - part["start"].to_numpy()) / time_unit
         kinds, bs = part["kind"].to_numpy(), part["b"].to_numpy()
-        compute = np.isin(kinds, ("F", "B"))
+        compute = np.isin(kinds, _COMPUTE)
         faces = [
-            _lighten(colors[int(b) % len(colors)], 0.55 if k == "F" else 0.0)
+            _lighten(colors[int(b) % len(colors)], 0.55 if k == Kind.F else 0.0)
             for k, b in zip(kinds[compute], bs[compute], strict=True)
         ]
         ax.broken_barh(list(zip(start[compute], width[compute], strict=True)), (y - 0.4, 0.8),
@@ -195,7 +200,9 @@ def dp_ablation_figure(df: pd.DataFrame) -> plt.Figure:
 
 def seqlen_figure(df: pd.DataFrame) -> plt.Figure:
     """Figure 7: GPT3-13B at growing sequence length, w/o and w/ TeraPipe, paper and ours."""
-    df = df.assign(label=[f"L={s}\nB={b}" for s, b in zip(df.seq_len, df.batch, strict=True)])
+    df = df.assign(
+        label=[f"L={s}\nB={b}" for s, b in zip(df.seq_len, df.pipeline_batch, strict=True)]
+    )
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     sns.barplot(
         _latency_long(df, "label"), x="label", y="latency (s)", hue="series",
@@ -225,10 +232,12 @@ def _bars_with_error(ax: Axes, labels: list[str], series: dict[str, tuple], widt
 
 
 def measured_figure(df: pd.DataFrame, x: str) -> plt.Figure:
-    """Measure mode of Tables 2 and 4: measured latency (mean ± std over the timed
-    iterations) of GPipe and TeraPipe at each ``x`` (batch or seq_len), each beside the
-    simulator's prediction from the locally profiled costs; and both speedups."""
-    labels = [f"{x}={v}" for v in df[x]]
+    """Measure mode of Tables 2 and 4: measured latency (median, error bar one standard
+    deviation over the timed iterations) of GPipe and TeraPipe at each ``x``
+    (pipeline_batch or seq_len), each beside the simulator's prediction from the locally
+    profiled costs; and both speedups."""
+    short = {"pipeline_batch": "B", "seq_len": "L"}.get(x, x)
+    labels = [f"{short}={v}" for v in df[x]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     _bars_with_error(ax1, labels, {
         "measured, w/o TeraPipe": (df.latency_gpipe, df.latency_gpipe_std, "#fdae6b"),
@@ -254,17 +263,59 @@ def measured_figure(df: pd.DataFrame, x: str) -> plt.Figure:
 
 
 def measured_ablation_figure(df: pd.DataFrame) -> plt.Figure:
-    """Measure mode of Table 3: uniform #slices and the DP, measured (mean ± std) beside
-    the simulator's prediction."""
+    """Measure mode of Table 3: uniform #slices and the DP, measured (median, error bar
+    one standard deviation) beside the simulator's prediction."""
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(df)), 4))
     _bars_with_error(ax, list(df.algorithm), {
         "measured": (df.latency, df.latency_std, "#e6550d"),
         "simulated": (df.simulated_latency, None, "#fdd0a2"),
     }, width=0.35)  # fmt: skip
     ax.set_ylabel("iteration latency (s)")
-    ax.set_title(f"Uniform slicing vs DP, measured vs simulated ({df.model.iloc[0]}, "
-                 f"L={df.seq_len.iloc[0]}, B={df.batch.iloc[0]})")  # fmt: skip
+    ax.set_title(
+        f"Uniform slicing vs DP, measured vs simulated ({df.model.iloc[0]}, "
+        f"L={df.seq_len.iloc[0]}, B={df.pipeline_batch.iloc[0]})"
+    )
     ax.tick_params(axis="x", rotation=45)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def validation_figure(df: pd.DataFrame, runs: Mapping[str, Any]) -> plt.Figure:
+    """The simulator's validation: per schedule the measured median latency (error bar:
+    one standard deviation) beside both predictions; below, per schedule, the Gantt chart
+    of the measured iteration whose latency is the median and the simulated timeline
+    (shared cores) on the same time axis. ``runs`` maps each schedule to its
+    :class:`~tplib.measure.Measured`."""
+    long = pd.concat(
+        [
+            df.assign(source="measured (median)", seconds=df["latency"]),
+            df.assign(source="simulated (shared cores)", seconds=df["simulated_latency"]),
+            df.assign(
+                source="simulated (a core per stage)", seconds=df["simulated_latency_dedicated"]
+            ),
+        ]
+    )
+    fig = plt.figure(figsize=(12, 3 + 3.6 * len(df)), layout="constrained")
+    grid = fig.add_gridspec(1 + 2 * len(df), 1, height_ratios=[2.2] + [1.0] * (2 * len(df)))
+    ax = fig.add_subplot(grid[0])
+    sns.barplot(long, x="schedule", y="seconds", hue="source", ax=ax)
+    ax.errorbar(
+        np.arange(len(df)) - 0.27, df["latency"], yerr=df["latency_std"], fmt="none", color="k"
+    )
+    first = df.iloc[0]
+    ax.set_title(
+        f"{first.model}, K={first.n_stages}, B={first.pipeline_batch}, L={first.seq_len}: "
+        "iteration latency"
+    )
+    for i, schedule in enumerate(df["schedule"]):
+        m = runs[schedule]
+        it = int(np.argsort(m.latencies)[len(m.latencies) // 2])  # the median iteration
+        ax_m = fig.add_subplot(grid[1 + 2 * i])
+        plot_timeline(
+            m.result.trace, ax=ax_m, iteration=it, title=f"{schedule}: measured (iteration {it})"
+        )
+        ax_s = fig.add_subplot(grid[2 + 2 * i], sharex=ax_m)
+        plot_timeline(m.sim.timeline, ax=ax_s, title=f"{schedule}: simulated")
+        ax_m.set_xlim(0, 1.02 * max(m.latencies[it], m.sim.latency))
     return fig

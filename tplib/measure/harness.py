@@ -1,0 +1,236 @@
+"""Measuring pipelines on real local processes, beside the simulator's prediction.
+
+One mechanism, used by every measured table (:mod:`tplib.tables`):
+
+1. measure the link between two local processes (:func:`tplib.runtime.measure_link`);
+2. profile every stage of the pipeline on this machine
+   (:func:`tplib.perfmodel.profile_pipeline`), with the torch threads each pipeline
+   process gets, the embeddings on the first stage and the LM head and loss on the last;
+3. turn both into the simulator's costs (:func:`~tplib.measure.local_costs`) and the
+   planner's cost model (:class:`~tplib.measure.BottleneckCost`);
+4. plan with the DP, run every configuration on ONE :class:`~tplib.runtime.LocalPool`
+   for ``iters`` timed iterations after ``warmup``, and put the measured latency beside
+   the simulator's, with the stages sharing this machine's cores
+   (:func:`~tplib.measure.simulate_shared`) and with a core each.
+
+:class:`Bench` holds what one table measures with; :meth:`Bench.row` is the row of one
+configuration, with the same column names in every measured table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from tplib.config import GPTConfig, get_config
+from tplib.costs import Link
+from tplib.machine import busy_cores, cpu_count, threads_per_process
+from tplib.measure.costs import BottleneckCost, local_costs
+from tplib.measure.options import Profiling
+from tplib.measure.shared import simulate_shared
+from tplib.perfmodel import Profile, profile_pipeline
+from tplib.plan import Plan
+from tplib.planner import plan as plan_slices
+from tplib.runtime import LocalPool, RunConfig, RunResult, measure_link
+from tplib.simulate import SimResult, simulate
+
+__all__ = ["Bench", "Measured", "measured_bench"]
+
+Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration run on the pool: its timed iterations and what the simulator
+    said, with the stages sharing this machine's cores with the other jobs (``sim``) and
+    with a core each (``sim_dedicated``)."""
+
+    result: RunResult
+    sim: SimResult
+    sim_dedicated: SimResult
+    busy_cores: float  # cores the other jobs kept busy around the run (mean of before, after)
+
+    @property
+    def latencies(self) -> list[float]:
+        return self.result.iteration_s
+
+    @property
+    def latency(self) -> float:
+        """The median iteration latency: what the tables compare."""
+        return statistics.median(self.latencies)
+
+    def row(self, suffix: str = "") -> dict[str, float]:
+        """The columns of one measured configuration, each name with ``suffix``:
+        ``latency`` (median of the timed iterations), ``latency_mean``, ``latency_std``,
+        ``latency_min``; ``simulated_latency`` (shared cores) and its error against the
+        measurement ``err_simulated_latency`` (simulated / measured - 1), the same two
+        for a core per stage (``..._dedicated``); the simulated ``bubble`` fraction and
+        the ``busy_cores`` of other jobs."""
+        lat = self.latencies
+        s = suffix
+        return {
+            f"latency{s}": self.latency,
+            f"latency{s}_mean": statistics.fmean(lat),
+            f"latency{s}_std": statistics.stdev(lat) if len(lat) > 1 else 0.0,
+            f"latency{s}_min": min(lat),
+            f"simulated_latency{s}": self.sim.latency,
+            f"err_simulated_latency{s}": self.sim.latency / self.latency - 1.0,
+            f"simulated_latency{s}_dedicated": self.sim_dedicated.latency,
+            f"err_simulated_latency{s}_dedicated": self.sim_dedicated.latency / self.latency - 1.0,
+            f"bubble{s}": self.sim.bubble_fraction,
+            f"busy_cores{s}": self.busy_cores,
+        }
+
+
+def _overrides(model_overrides: Overrides) -> tuple[tuple[str, object], ...]:
+    items = model_overrides.items() if isinstance(model_overrides, Mapping) else model_overrides
+    return tuple(sorted((str(k), v) for k, v in items))
+
+
+@dataclass
+class Bench:
+    """What one measured table measures with: the model, the link, profiles per sequence
+    length (reused by every configuration of that length) and one pool."""
+
+    model: str
+    overrides: tuple[tuple[str, object], ...]
+    n_stages: int
+    iters: int
+    warmup: int
+    link: Link
+    profiling: Profiling
+    progress: bool
+    pool: LocalPool | None = None
+    own_pool: bool = True  # started here, so closed here
+    profiles: dict[int, list[Profile]] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> GPTConfig:
+        cfg = get_config(self.model)
+        return cfg.with_(**dict(self.overrides)) if self.overrides else cfg
+
+    def profile(self, seq_len: int, granularity: int) -> list[Profile]:
+        """Every stage's profile at ``seq_len`` (measured once per length)."""
+        if seq_len not in self.profiles:
+            self.profiles[seq_len] = profile_pipeline(
+                self.cfg,
+                self.n_stages,
+                seq_len=seq_len,
+                granularity=granularity,
+                link_bandwidth=self.link.bandwidth,
+                link_latency=self.link.latency,
+                progress=self.progress,
+                **self.profiling.kwargs(),
+            )
+        return self.profiles[seq_len]
+
+    def plan(self, seq_len: int, pipeline_batch: int, eps: float) -> Plan:
+        """The DP's plan on the profiles of ``seq_len``."""
+        profiles = self.profiles[seq_len]
+        return plan_slices(
+            BottleneckCost(profiles),
+            seq_len=seq_len,
+            batch=pipeline_batch,
+            n_stages=self.n_stages,
+            granularity=profiles[0].granularity,
+            eps=eps,
+        )
+
+    def run(self, schedule: str, p: Plan) -> Measured:
+        """Run ``p`` as ``schedule`` on the pool, beside its simulation."""
+        if self.pool is None:
+            # Started after profiling: its processes' start-up would disturb the timings.
+            self.pool = LocalPool(self.n_stages)
+        run = RunConfig(
+            model=self.model,
+            model_overrides=self.overrides,
+            schedule=schedule,
+            n_stages=self.n_stages,
+            batch=p.batch,
+            seq_len=p.seq_len,
+            slicing=p,
+            steps=self.iters,
+            warmup=self.warmup,
+        )
+        costs = local_costs(self.profiles[p.seq_len], self.link)
+        cores = cpu_count()
+        before = busy_cores()
+        if before + run.world_size > cores + 0.5:
+            warnings.warn(
+                f"{before:.1f} of this machine's {cores} cores were busy with other work "
+                f"before this run: its {run.world_size} processes share the rest, and only "
+                "the shared-cores simulation can follow. Rerun on a quiet machine.",
+                stacklevel=2,
+            )
+        result = self.pool.run(run)
+        busy = 0.5 * (before + busy_cores())
+        threads = run.threads or threads_per_process(run.world_size)  # as LocalPool sets them
+        schedule_data = run.schedule_data
+        shared = simulate_shared(schedule_data, costs, cores=cores, busy=busy, threads=threads)
+        return Measured(result, shared, simulate(schedule_data, costs), busy)
+
+    def without_with(self, seq_len: int, pipeline_batch: int, eps: float) -> dict[str, object]:
+        """The row of GPipe (microbatches of one sequence) against TeraPipe (the DP's plan)
+        at (L, B): both measured and simulated, and both speedups."""
+        t0 = time.perf_counter()
+        p = self.plan(seq_len, pipeline_batch, eps)
+        t_plan = time.perf_counter() - t0
+        gpipe = self.run("gpipe", Plan.gpipe(pipeline_batch, seq_len))
+        tera = self.run("terapipe", p)
+        return {
+            "model": self.model,
+            "seq_len": seq_len,
+            "pipeline_batch": pipeline_batch,
+            "n_stages": self.n_stages,
+            **gpipe.row("_gpipe"),
+            **tera.row("_terapipe"),
+            "speedup": gpipe.latency / tera.latency,
+            "simulated_speedup": gpipe.sim.latency / tera.sim.latency,
+            "simulated_speedup_dedicated": gpipe.sim_dedicated.latency / tera.sim_dedicated.latency,
+            "plan": p.to_paper(),
+            "planner_latency": p.latency,
+            "plan_seconds": t_plan,
+            "iterations": self.iters,
+        }
+
+
+@contextmanager
+def measured_bench(
+    model: str,
+    model_overrides: Overrides,
+    n_stages: int,
+    iters: int,
+    warmup: int,
+    link: Link | Sequence[float] | None,
+    profiling: Profiling,
+    progress: bool,
+    pool: LocalPool | None,
+) -> Iterator[Bench]:
+    """A :class:`Bench`, checked before anything is measured; its pool (if it started
+    one) is closed on exit."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters={iters}, warmup={warmup}: need iters >= 1 and warmup >= 0")
+    if pool is not None and pool.world_size != n_stages:
+        raise ValueError(f"pool has {pool.world_size} processes, not n_stages={n_stages}")
+    get_config(model)  # an unknown model fails before the link is measured
+    bench = Bench(
+        model,
+        _overrides(model_overrides),
+        n_stages,
+        iters,
+        warmup,
+        measure_link() if link is None else Link(*link),
+        profiling,
+        progress,
+        pool,
+        own_pool=pool is None,
+    )
+    try:
+        yield bench
+    finally:
+        if bench.pool is not None and bench.own_pool:
+            bench.pool.close()

@@ -1,0 +1,113 @@
+"""Stages that share this machine's cores with each other and with other jobs.
+
+The simulator gives each stage a processor of its own. Local pipeline processes do not
+have one: where the stages and the other jobs (:func:`tplib.machine.busy_cores`) want
+more cores than there are, stages computing at the same time slow each other down.
+:func:`simulate_shared` models that as processor sharing: each action that occupies its
+stage's processor (:data:`~tplib.schedule.LOCAL_WORK`) is stretched by its demand over
+the cores, and the stretched schedule is simulated again, to a fixed point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from tplib.costs import ActionCosts
+from tplib.plan import Plan
+from tplib.schedule import LOCAL_WORK, NO_UNIT, Action, Kind, Schedule
+from tplib.simulate import SimResult, simulate
+
+__all__ = ["SharedCores", "simulate_shared"]
+
+Key = tuple[int, str, int, int]  # (stage, kind, b, t) of a timeline row
+
+
+@dataclass
+class SharedCores:
+    """``costs`` with each action of :data:`~tplib.schedule.LOCAL_WORK` stretched by its
+    own factor, ``scale[(stage, kind, b, t)]`` (1 when absent): :func:`simulate_shared`'s
+    state."""
+
+    costs: ActionCosts
+    scale: dict[Key, float] = field(default_factory=dict)
+
+    @property
+    def blocking_sends(self) -> bool:
+        return self.costs.blocking_sends
+
+    def compute(self, stage: int, action: Action, plan: Plan) -> float:
+        key = (stage, action.kind.value, action.b, action.t)
+        return self.costs.compute(stage, action, plan) * self.scale.get(key, 1.0)
+
+    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
+        return self.costs.transfer(stage, action, plan)
+
+    def allreduce(self, stage: int) -> float:
+        return self.costs.allreduce(stage)
+
+    def optimizer(self, stage: int) -> float:
+        key = (stage, Kind.OPT.value, NO_UNIT, NO_UNIT)
+        return self.costs.optimizer(stage) * self.scale.get(key, 1.0)
+
+
+def _stretch(timeline: pd.DataFrame, cores: float, busy: float, threads: int) -> dict[Key, float]:
+    """Per action of LOCAL_WORK: max(1, demand / cores), where demand counts the cores its
+    own stage, the other stages working meanwhile (time-averaged) and the other jobs want."""
+    rows = timeline[timeline.kind.isin([k.value for k in LOCAL_WORK])]
+    stages = sorted(int(k) for k in rows["stage"].unique())
+    spans = {k: rows.loc[rows.stage == k, ["start", "end"]].to_numpy() for k in stages}
+    out: dict[Key, float] = {}
+    for k, mine in spans.items():
+        overlap = np.zeros(len(mine))
+        for j, theirs in spans.items():
+            if j != k:
+                lo = np.maximum(mine[:, :1], theirs[:, 0])
+                hi = np.minimum(mine[:, 1:], theirs[:, 1])
+                overlap += np.clip(hi - lo, 0.0, None).sum(axis=1)
+        others = overlap / np.maximum(mine[:, 1] - mine[:, 0], 1e-12)
+        factor = np.maximum(1.0, (threads * (1.0 + others) + busy) / cores)
+        part = rows[rows.stage == k]
+        keys = zip(part.kind, part.b, part.t, strict=True)
+        out |= {
+            (k, str(kind), int(b), int(t)): float(f)
+            for (kind, b, t), f in zip(keys, factor, strict=True)
+        }
+    return out
+
+
+def simulate_shared(
+    schedule: Schedule,
+    costs: ActionCosts,
+    *,
+    cores: float,
+    busy: float = 0.0,
+    threads: int = 1,
+    rounds: int = 50,
+    tol: float = 1e-3,
+) -> SimResult:
+    """Simulate ``schedule`` on a machine of ``cores`` cores of which other jobs keep
+    ``busy`` busy, each stage's process running ``threads`` threads.
+
+    Stages that work at the same time share the cores the other jobs leave, and with n
+    threads wanting C cores each runs at C / n of a core (processor sharing, never
+    faster than one core). So each action of LOCAL_WORK is stretched by
+    max(1, demand / C), its demand being its own threads, those of the other stages while
+    they work during it (time-averaged) and ``busy``. Overlaps change as actions stretch,
+    so this iterates, damped, to a fixed point from the one-core-per-stage simulation,
+    which it returns unchanged when the stages and ``busy`` fit in ``cores`` or when
+    ``busy`` is NaN (the other jobs' load is unknown)."""
+    shared = SharedCores(costs)
+    sim = simulate(schedule, shared)
+    if not np.isfinite(busy) or threads * schedule.n_stages + busy <= cores:
+        return sim
+    for _ in range(rounds):
+        target = _stretch(sim.timeline, cores, busy, threads)
+        change = max((abs(v - shared.scale.get(key, 1.0)) for key, v in target.items()), default=0)
+        shared.scale = {key: 0.5 * (shared.scale.get(key, 1.0) + v) for key, v in target.items()}
+        sim = simulate(schedule, shared)
+        if change < tol:
+            break
+    return sim

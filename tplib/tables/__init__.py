@@ -1,0 +1,63 @@
+"""The paper's tables, one function each, in simulate or measure mode.
+
+=========================  =====================  ======================================
+table                      paper                  module
+=========================  =====================  ======================================
+``main_results``           Figure 5 / Table 2     :mod:`tplib.tables.main_results`
+``dp_ablation``            Figure 6 / Table 3     :mod:`tplib.tables.dp_ablation`
+``seqlen_sweep``           Figure 7 / Table 4     :mod:`tplib.tables.seqlen_sweep`
+``simulator_validation``   (method)               :mod:`tplib.tables.validation`
+=========================  =====================  ======================================
+
+:func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
+DataFrame, figure and findings). The notebooks call it, ``python -m tplib table NAME``
+calls it, and ``make reproduce`` runs the notebooks. Column names mean the same thing in
+every table and mode (the README's glossary lists them); a simulated table's
+``err_<column>`` is <column> / the paper's - 1, a measured table's
+``err_simulated_<column>`` is the simulator's prediction / the measurement - 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tplib.tables.base import MODES, TIMING_COLUMNS, Comparison, Mode, Rows, Table, TableResult, run
+
+__all__ = [
+    "MODES",
+    "TABLE_NAMES",
+    "TIMING_COLUMNS",
+    "Comparison",
+    "Mode",
+    "Rows",
+    "Table",
+    "TableResult",
+    "get_table",
+    "run_table",
+]
+
+# Table name -> its module. Loaded on first use: the per-setting helpers of
+# tplib.tables.settings serve the numpy-only commands, which should not pay for plotting.
+_MODULES = {
+    "main_results": "main_results",
+    "dp_ablation": "dp_ablation",
+    "seqlen_sweep": "seqlen_sweep",
+    "simulator_validation": "validation",
+}
+TABLE_NAMES = tuple(_MODULES)
+
+
+def get_table(name: str) -> Table:
+    """The table called ``name``."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown table {name!r}: known tables are {list(TABLE_NAMES)}")
+    table: Table = importlib.import_module(f"tplib.tables.{_MODULES[name]}").TABLE
+    return table
+
+
+def run_table(name: str, mode: str = "simulate", **params: Any) -> TableResult:
+    """Build table ``name`` in ``mode`` ("simulate" or "measure") with the parameters of
+    that mode's builder (see each table module); bad names, modes and parameters raise
+    ``ValueError`` before anything runs."""
+    return run(get_table(name), mode, params)

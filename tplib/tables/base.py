@@ -1,0 +1,149 @@
+"""What a paper table is in tplib, and what running one gives.
+
+A :class:`Table` is one of the paper's tables as data: how to build its rows in each
+mode (``"simulate"``: the V100-cluster model; ``"measure"``: real processes on this
+machine beside the simulator), how to draw it, what its findings are, which columns to
+show, and which numbers :mod:`tplib.reproduce`'s summary compares. :func:`run` builds it
+and returns a :class:`TableResult`: the DataFrame, the figure and the findings' text.
+The notebooks, ``python -m tplib table`` and ``make reproduce`` all go through here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pandas as pd
+
+from tplib.files import save_figure, write_csv
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["MODES", "TIMING_COLUMNS", "Comparison", "Mode", "Rows", "Table", "TableResult", "run"]
+
+Mode = Literal["simulate", "measure"]
+MODES: tuple[Mode, ...] = ("simulate", "measure")
+# Wall times of tplib's own code (planning, profiling): they vary from run to run, so
+# comparisons with a reference leave them out. Everything else in a simulated table is
+# deterministic.
+TIMING_COLUMNS = frozenset({"plan_seconds", "profile_seconds"})
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """What a table's builder returns: the table, and what its figure and notebook need
+    beyond it (``extras``: further tables to show; ``traces``: anything the figure draws,
+    such as measured runs)."""
+
+    df: pd.DataFrame
+    extras: Mapping[str, pd.DataFrame] = field(default_factory=dict)
+    traces: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The numbers a summary compares for one table in one mode: rows are identified by
+    ``key``, described by ``label``, and ``value`` is compared with the paper's column
+    ``paper`` (None: the paper has no such rows, as in measure mode) and with the
+    committed reference's ``value``."""
+
+    key: tuple[str, ...]
+    value: str
+    paper: str | None = None
+    label: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Table:
+    """One of the paper's tables (see the module docstring)."""
+
+    name: str  # the notebook and results folder: results/<name>/
+    paper: str  # where it is in the paper, e.g. "Figure 5 / Table 2"
+    title: str
+    builders: Mapping[Mode, Callable[..., Rows]]
+    figure: Callable[[Rows, Mode], Figure]
+    findings: Callable[[pd.DataFrame, Mode], str]
+    columns: Mapping[Mode, tuple[str, ...]]  # the columns a reader looks at first
+    compare: Mapping[Mode, Comparison]
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        return tuple(m for m in MODES if m in self.builders)
+
+    def parameters(self, mode: Mode) -> list[str]:
+        """The keyword parameters the ``mode`` builder takes."""
+        return list(inspect.signature(self.builders[mode]).parameters)
+
+    def check(self, mode: str, params: Mapping[str, Any]) -> Mode:
+        """Raise ``ValueError`` unless ``mode`` and ``params`` suit this table."""
+        if mode not in self.builders:
+            raise ValueError(
+                f"mode={mode!r}: table {self.name!r} runs in mode {' or '.join(self.modes)}"
+            )
+        m: Mode = "simulate" if mode == "simulate" else "measure"
+        accepted = self.parameters(m)
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            elsewhere = [
+                f"{p!r} is a {other}-mode parameter"
+                for p in unknown
+                for other in self.modes
+                if other != m and p in self.parameters(other)
+            ]
+            hint = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+            raise ValueError(
+                f"table {self.name!r} in {m} mode has no parameter {', '.join(unknown)}"
+                f"{hint}: it takes {', '.join(accepted)}"
+            )
+        return m
+
+
+@dataclass(frozen=True, eq=False)
+class TableResult:
+    """A table built: its rows, figure and findings (markdown), in ``mode``."""
+
+    table: Table
+    mode: Mode
+    params: Mapping[str, Any]
+    rows: Rows
+    figure: Figure
+    findings: str
+
+    @property
+    def df(self) -> pd.DataFrame:
+        return self.rows.df
+
+    @property
+    def extras(self) -> Mapping[str, pd.DataFrame]:
+        return self.rows.extras
+
+    def show(self, digits: int = 3) -> pd.DataFrame:
+        """The columns a reader looks at first, rounded."""
+        cols = [c for c in self.table.columns[self.mode] if c in self.df.columns]
+        return self.df[cols].round(digits)
+
+    def paths(self, out_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, Path]:
+        """The CSV and PNG this result saves to: ``<out_dir>/<name>-<tag>.csv|png``."""
+        stem = f"{self.table.name}-{tag or self.mode}"
+        return Path(out_dir) / f"{stem}.csv", Path(out_dir) / f"{stem}.png"
+
+    def save(self, out_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, Path]:
+        """Write the CSV and the figure, each atomically; return their paths."""
+        csv, png = self.paths(out_dir, tag)
+        write_csv(self.df, csv)
+        save_figure(self.figure, png)
+        return csv, png
+
+
+def run(table: Table, mode: str, params: Mapping[str, Any]) -> TableResult:
+    """Build ``table`` in ``mode`` with ``params``; every parameter is checked first."""
+    m = table.check(mode, params)
+    rows = table.builders[m](**params)
+    return TableResult(
+        table, m, dict(params), rows, table.figure(rows, m), table.findings(rows.df, m)
+    )

@@ -1,0 +1,140 @@
+"""Figure 5 / Table 2, the main results: every setting without and with TeraPipe.
+
+``simulate``: every setting of Table 1 on the V100-cluster model, GPipe (microbatches of
+one sequence) against TeraPipe (the joint batch x token DP plan), beside the paper's
+measurements. ``measure``: the same comparison at CPU scale on real local processes (K = 2
+stages, B = 1, 2, 4), the DP planning on stage profiles measured here and each
+configuration timed beside the simulator's prediction from the same profiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+
+from tplib import plots
+from tplib.cluster import CALIBRATION, Calibration
+from tplib.measure import TABLE_MODEL, Profiling, grid
+from tplib.paper import GPIPE, TERAPIPE, main_row
+from tplib.tables import findings
+from tplib.tables.base import Comparison, Mode, Rows, Table
+from tplib.tables.settings import (
+    EPS,
+    Method,
+    beside_paper,
+    paper_plans_on_cluster,
+    simulate_setting,
+)
+
+if TYPE_CHECKING:
+    from tplib.runtime import LocalPool
+
+__all__ = ["TABLE", "measure", "simulate"]
+
+
+def simulate(
+    settings: Iterable[int] = range(1, 11),
+    method: Method = "exact",
+    eps: float = EPS,
+    calibration: Calibration = CALIBRATION,
+) -> Rows:
+    """Every setting ``(n)`` in ``settings`` without and with TeraPipe, simulated, beside
+    the paper; the paper's own plans on our cluster model as an extra table."""
+    settings = list(settings)
+    rows = []
+    for n in settings:
+        r = simulate_setting(n, method=method, eps=eps, calibration=calibration)
+        rows.append(beside_paper(r, main_row(n, GPIPE), main_row(n, TERAPIPE)))
+    extras = {
+        "our plans beside the paper's": pd.DataFrame(rows)[["setting", "plan", "paper_plan"]],
+        "the paper's own plans on our cluster model": paper_plans_on_cluster(settings, calibration),
+    }
+    return Rows(pd.DataFrame(rows), extras)
+
+
+def measure(
+    batches: Sequence[int] = (1, 2, 4),
+    *,
+    seq_len: int = 2048,
+    model: str = TABLE_MODEL[0],
+    model_overrides: Mapping[str, object] | Sequence[tuple[str, object]] = TABLE_MODEL[1],
+    n_stages: int = 2,
+    iters: int = 5,
+    warmup: int = 1,
+    eps: float = 0.0,
+    profiling: Profiling | Mapping[str, Any] = Profiling(granularity=128, batch_slice_sizes=(1, 2)),
+    link: Sequence[float] | None = None,
+    pool: LocalPool | None = None,
+    progress: bool = True,
+) -> Rows:
+    """Table 2 at CPU scale: at every pipeline batch B in ``batches``, GPipe with
+    microbatches of one sequence against TeraPipe's DP plan, both measured and simulated.
+    One profile (batch slices of up to ``max(profiling.batch_slice_sizes)`` sequences,
+    the DP's choice) serves every B."""
+    from tplib.measure.harness import measured_bench  # starts processes: torch
+
+    prof = Profiling.of(profiling)
+    with measured_bench(
+        model, model_overrides, n_stages, iters, warmup, link, prof, progress, pool
+    ) as bench:
+        bench.profile(seq_len, grid(seq_len, prof.granularity, 16))
+        rows = [
+            bench.without_with(seq_len, b, eps)
+            for b in tqdm(batches, desc="main results", disable=not progress)
+        ]
+    return Rows(pd.DataFrame(rows))
+
+
+def _figure(rows: Rows, mode: Mode) -> Figure:
+    if mode == "simulate":
+        return plots.main_results_figure(rows.df)
+    return plots.measured_figure(rows.df, "pipeline_batch")
+
+
+def _findings(df: pd.DataFrame, mode: Mode) -> str:
+    return findings.speedup_targets(df, "setting") if mode == "simulate" else findings.measured(df)
+
+
+TABLE = Table(
+    name="main_results",
+    paper="Figure 5 / Table 2",
+    title="Main results: every setting without and with TeraPipe",
+    builders={"simulate": simulate, "measure": measure},
+    figure=_figure,
+    findings=_findings,
+    columns={
+        "simulate": (
+            "setting",
+            "model",
+            "latency_gpipe",
+            "paper_latency_gpipe",
+            "latency_terapipe",
+            "paper_latency_terapipe",
+            "speedup",
+            "paper_speedup",
+            "err_speedup",
+            "tflops_per_gpu",
+            "paper_tflops_per_gpu",
+        ),
+        "measure": (
+            "pipeline_batch",
+            "latency_gpipe",
+            "latency_gpipe_std",
+            "simulated_latency_gpipe",
+            "latency_terapipe",
+            "latency_terapipe_std",
+            "simulated_latency_terapipe",
+            "speedup",
+            "simulated_speedup",
+            "plan",
+        ),
+    },
+    compare={
+        "simulate": Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
+        "measure": Comparison(("pipeline_batch",), "speedup"),
+    },
+)
