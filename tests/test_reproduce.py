@@ -1,0 +1,221 @@
+"""``make reproduce``: a fresh copy of the repository regenerates every simulate table,
+an interrupted run resumes without redoing what it finished, anything else starts anew,
+and the summary compares each table with the paper and the committed reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import tplib.reproduce as rp
+from tplib.reproduce import Job, default_jobs, reproduce
+from tplib.reproduce.summary import equal_to_reference, section
+from tplib.tables import get_table
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {
+    "main_results": {"settings": [9, 10]},
+    "dp_ablation": {"settings": [8]},
+    "seqlen_sweep": {"seq_lens": [2048, 8192]},
+}
+
+
+# ---- the real thing, on a fresh copy ------------------------------------------------------
+
+
+def _fresh_copy(dest: Path) -> Path:
+    """The files a clone of this checkout has (tracked, and new ones git does not ignore)."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(src.read_bytes())
+    return dest
+
+
+def _command(copy: Path) -> list[str]:
+    # `python -m` puts the working directory first on sys.path: the copy's own tplib runs.
+    return [sys.executable, "-m", "tplib", "reproduce", "--mode", "simulate",
+            "--params", json.dumps(SMALL)]  # fmt: skip
+
+
+def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) -> None:
+    copy = _fresh_copy(tmp_path / "repo")
+    results = copy / "results"
+    first = results / "main_results" / "main_results-simulate.ipynb"
+    committed = first.read_bytes()
+    # Start a run and kill it (and its kernel) once its first notebook has finished.
+    proc = subprocess.Popen(
+        _command(copy), cwd=copy, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            manifest = results / ".run.json"
+            if manifest.exists() and json.loads(manifest.read_text())["jobs"][0]["finished"]:
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    state = json.loads((results / ".run.json").read_text())
+    assert state["jobs"][0]["finished"] is True and state["finished"] is None
+    assert first.read_bytes() != committed  # it ran: a new executed notebook
+    ran_at = first.stat().st_mtime_ns
+
+    out = subprocess.run(_command(copy), cwd=copy, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed an interrupted run" in out.stdout
+    assert "skip main_results (simulate): finished earlier in this run" in out.stdout
+    assert first.stat().st_mtime_ns == ran_at  # not redone
+    for name in ("main_results", "dp_ablation", "seqlen_sweep"):
+        assert (results / name / f"{name}-simulate.png").exists()
+    summary = (results / "SUMMARY.md").read_text()
+    assert (
+        summary == out.stdout.split("\n", 2)[2].rstrip("\n") + "\n" or "# Reproduction" in summary
+    )
+    # Each table's reproduced rows equal the copy's committed ones.
+    assert summary.count("**Equal to the committed reference**") == 3, summary
+    assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
+    assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
+
+
+# ---- resuming, with notebooks replaced by a stand-in ---------------------------------------
+
+
+@dataclass
+class FakeNotebooks:
+    """Papermill replaced by a stand-in that writes a job's three outputs; a job whose
+    table is in ``fail`` raises instead, like a run interrupted there."""
+
+    ran: list[str] = field(default_factory=list)
+    fail: list[str] = field(default_factory=list)
+
+    def run_job(self, job: Job, **_: object) -> None:
+        if job.table in self.fail:
+            raise KeyboardInterrupt
+        self.ran.append(job.table)
+        job.out_dir.mkdir(parents=True, exist_ok=True)
+        for path in (job.executed, job.figure):
+            path.write_text("x")
+        pd.DataFrame({"x": [1]}).to_csv(job.csv, index=False)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNotebooks:
+    notebooks = FakeNotebooks()
+    monkeypatch.setattr(rp, "run_job", notebooks.run_job)
+    monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
+    return notebooks
+
+
+def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNotebooks) -> None:
+    fake.fail.append("dp_ablation")
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("simulate", root=tmp_path, progress=False)
+    assert fake.ran == ["main_results"]
+    fake.fail.clear()
+    report = reproduce("simulate", root=tmp_path, progress=False)
+    assert report.resumed and [j.table for j in report.skipped] == ["main_results"]
+    assert fake.ran == ["main_results", "dp_ablation", "seqlen_sweep"]
+    # A finished run starts anew: every job again.
+    report = reproduce("simulate", root=tmp_path, progress=False)
+    assert not report.resumed and len(report.ran) == 3 and not report.skipped
+
+
+@pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
+def test_anything_but_the_same_unfinished_run_starts_anew(
+    tmp_path: Path, fake: FakeNotebooks, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    fake.fail.append("seqlen_sweep")
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("simulate", root=tmp_path, progress=False)
+    fake.fail.clear()
+    params = {"main_results": {"settings": [9]}} if change == "params" else None
+    if change == "code":
+        monkeypatch.setattr(rp, "code_version", lambda: "changed")
+    if change == "outputs":  # a finished job's outputs were deleted: that job runs again
+        (tmp_path / "main_results" / "main_results-simulate.csv").unlink()
+    report = reproduce(
+        "simulate", root=tmp_path, progress=False, params=params, force=change == "force"
+    )
+    if change == "outputs":
+        assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
+    else:
+        assert not report.resumed and not report.skipped and len(report.ran) == 3
+
+
+def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
+    reproduce("simulate", root=tmp_path, progress=False)
+    state = json.loads((tmp_path / ".run.json").read_text())
+    assert state["format"] == "tplib.run/1" and state["finished"]
+    assert [j["table"] for j in state["jobs"]] == ["main_results", "dp_ablation", "seqlen_sweep"]
+    assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
+    hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
+    assert hidden == [Path(".run.json")]  # no temporary file left behind, no reference here
+
+
+def test_default_jobs_cover_the_tables_of_each_mode() -> None:
+    assert [(j.table, j.mode) for j in default_jobs("all")] == [
+        ("main_results", "simulate"), ("dp_ablation", "simulate"), ("seqlen_sweep", "simulate"),
+        ("main_results", "measure"), ("dp_ablation", "measure"), ("seqlen_sweep", "measure"),
+        ("simulator_validation", "measure"),
+    ]  # fmt: skip
+    per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
+    assert per_mode[0].params == {"settings": [9]} and per_mode[3].params == {}
+    with pytest.raises(ValueError, match=r"mode='fast'"):
+        default_jobs("fast")
+    with pytest.raises(ValueError, match=r"unknown table 'table9'"):
+        default_jobs("simulate", {"table9": {}})
+
+
+# ---- the summary ---------------------------------------------------------------------------
+
+
+def _main_rows() -> pd.DataFrame:
+    return pd.DataFrame(
+        {"setting": [9, 10], "model": ["GPT3-175B"] * 2, "speedup": [6.5, 5.4],
+         "paper_speedup": [6.745, 5.019], "plan_seconds": [0.1, 0.2]}
+    )  # fmt: skip
+
+
+def test_summary_states_equality_timing_columns_aside() -> None:
+    ours = _main_rows()
+    reference = ours.assign(plan_seconds=[9.0, 9.0])  # only wall time differs
+    text = section(get_table("main_results"), "simulate", ours, reference)
+    assert "**Equal to the committed reference**: all 2 reproduced rows" in text
+    assert "| 9 | GPT3-175B | 6.745 | 6.500 | -3.6% | 6.500 | = |" in text
+
+
+def test_summary_shows_the_rows_that_differ() -> None:
+    ours = _main_rows()
+    reference = ours.assign(speedup=[6.5, 5.0])
+    text = section(get_table("main_results"), "simulate", ours, reference.iloc[::-1])
+    assert "**Differs from the committed reference:**" in text
+    assert "{'setting': 10}: speedup 5.400 (reference 5.000)" in text
+    assert "| 10 | GPT3-175B | 5.019 | 5.400 | +7.6% | 5.000 | +8.0% |" in text
+    notes, rows = equal_to_reference(ours, reference.drop(columns=["model"]), ("setting",))
+    assert notes == ["columns differ: not reproduced [], new ['model']"] and len(rows) == 1
+
+
+def test_summary_of_a_measured_table_has_no_paper_column() -> None:
+    df = pd.DataFrame({"pipeline_batch": [1, 2], "speedup": [1.2, 1.3]})
+    text = section(get_table("main_results"), "measure", df, None)
+    assert "| pipeline batch | reproduced | reference | Δ reference |" in text
+    assert "No committed reference" in text

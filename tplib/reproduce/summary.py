@@ -1,0 +1,129 @@
+"""The summary of a reproduction: each table's numbers beside the paper's and beside the
+committed reference's.
+
+For every table a run produced, :func:`section` writes one short markdown table: the
+row's key, the paper's number (simulate mode), the reproduced one, the committed
+reference's, and the differences. In simulate mode, which is deterministic, it also says
+whether the whole table equals the committed reference, timing columns aside
+(:data:`~tplib.tables.TIMING_COLUMNS`), and lists any row that does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from tplib.tables import TIMING_COLUMNS, Mode, Table
+
+__all__ = ["equal_to_reference", "section"]
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float | np.floating):
+        return "—" if np.isnan(value) else f"{value:#.4g}"
+    return str(value)
+
+
+def _delta(ours: float, theirs: float) -> str:
+    if ours == theirs:
+        return "="
+    if not (np.isfinite(ours) and np.isfinite(theirs)) or theirs == 0:
+        return "—"
+    return f"{ours / theirs - 1:+.1%}"
+
+
+def _key(row: pd.Series, key: Sequence[str]) -> tuple[object, ...]:
+    return tuple(row[k] for k in key)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float | np.floating) and isinstance(b, float | np.floating):
+        return bool(a == b or (np.isnan(a) and np.isnan(b)))
+    return bool(a == b)
+
+
+def equal_to_reference(
+    df: pd.DataFrame, reference: pd.DataFrame, key: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """Compare ``df`` with ``reference`` row by row (rows matched by ``key``), every column
+    but the timing ones, exactly. Returns (lines about columns, lines about rows that
+    differ); both empty means equal on the rows ``df`` has."""
+    notes: list[str] = []
+    cols = [c for c in df.columns if c not in TIMING_COLUMNS]
+    ref_cols = [c for c in reference.columns if c not in TIMING_COLUMNS]
+    if set(cols) != set(ref_cols):
+        missing, extra = sorted(set(ref_cols) - set(cols)), sorted(set(cols) - set(ref_cols))
+        notes.append(f"columns differ: not reproduced {missing}, new {extra}")
+    shared = [c for c in cols if c in ref_cols]
+    ref_rows = {_key(r, key): r for _, r in reference.iterrows()}
+    rows: list[str] = []
+    for _, r in df.iterrows():
+        k = _key(r, key)
+        if k not in ref_rows:
+            rows.append(f"{dict(zip(key, k, strict=True))}: not in the reference")
+            continue
+        ref = ref_rows[k]
+        diff = [c for c in shared if not _same(r[c], ref[c])]
+        if diff:
+            shown = ", ".join(f"{c} {_fmt(r[c])} (reference {_fmt(ref[c])})" for c in diff[:4])
+            more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+            rows.append(f"{dict(zip(key, k, strict=True))}: {shown}{more}")
+    return notes, rows
+
+
+def section(table: Table, mode: Mode, df: pd.DataFrame, reference: pd.DataFrame | None) -> str:
+    """The summary of one produced table (see the module docstring), as markdown."""
+    cmp = table.compare[mode]
+    lines = [f"### {table.title} ({table.paper}), {mode} mode", ""]
+    head = [*cmp.key, *cmp.label]
+    cols = [*head, *(["paper"] if cmp.paper else []), "reproduced"]
+    cols += ["Δ paper"] if cmp.paper else []
+    cols += ["reference", "Δ reference"]
+    lines += ["| " + " | ".join(c.replace("_", " ") for c in cols) + " |"]
+    lines += ["| " + " | ".join("---" if c in head else "---:" for c in cols) + " |"]
+    ref_rows = {} if reference is None else {_key(r, cmp.key): r for _, r in reference.iterrows()}
+    for _, r in df.iterrows():
+        ours = float(r[cmp.value])
+        cells = [_fmt(r[c]) for c in head]
+        if cmp.paper:
+            cells += [_fmt(r[cmp.paper]), _fmt(ours), _delta(ours, float(r[cmp.paper]))]
+        else:
+            cells += [_fmt(ours)]
+        ref = ref_rows.get(_key(r, cmp.key))
+        if ref is None or cmp.value not in ref:
+            cells += ["—", "—"]
+        else:
+            cells += [_fmt(ref[cmp.value]), _delta(ours, float(ref[cmp.value]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        f"Compared: `{cmp.value}`" + (f" against the paper's `{cmp.paper}`." if cmp.paper else ".")
+    )
+    if reference is None:
+        lines.append("No committed reference to compare with.")
+    elif mode == "simulate":
+        notes, rows = equal_to_reference(df, reference, cmp.key)
+        left_out = len(reference) - sum(_key(r, cmp.key) in ref_rows for _, r in df.iterrows())
+        if not notes and not rows:
+            timing = sorted(TIMING_COLUMNS & set(df.columns))
+            lines.append(
+                f"**Equal to the committed reference**: all {len(df)} reproduced rows, every "
+                f"column but the timing ones ({', '.join(timing) or 'none'})."
+            )
+        else:
+            lines.append("**Differs from the committed reference:**")
+            lines += [f"- {x}" for x in [*notes, *rows]]
+            if not rows:
+                lines.append(
+                    f"- every reproduced row ({len(df)}) equals the reference on the shared columns"
+                )
+        if left_out > 0:
+            lines.append(f"({left_out} reference rows were not part of this run's parameters.)")
+    else:
+        lines.append(
+            "Measured on this machine: measurements vary from run to run and from machine to "
+            "machine, so the reference is a comparison, not an expected value."
+        )
+    return "\n".join(lines) + "\n"
