@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -12,6 +13,8 @@ from tplib.cli import main
 from tplib.config import get_config
 from tplib.perfmodel import Profile, build_profile
 from tplib.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _analytic(b: int, s: int, c: int) -> float:
@@ -23,7 +26,11 @@ def analytic_file(tmp_path: Path) -> Path:
     """A profile of a known function: fast and deterministic for the error cases."""
     path = tmp_path / "analytic.json"
     build_profile(
-        _analytic, config=get_config("tiny"), n_layers=1, seq_len=64, batch_sizes=(1, 2)
+        _analytic,
+        config=get_config("tiny"),
+        layers_per_stage=1,
+        seq_len=64,
+        batch_slice_sizes=(1, 2),
     ).save(path)
     return path
 
@@ -36,10 +43,13 @@ def test_profile_then_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = tmp_path / "tiny.json"
     args = ["profile", "--model", "tiny", "--layers", "1", "--seq-len", "64", "--batch", "2"]
     args += ["--repeats", "2", "--threads", "1", "--quiet", "--out", str(out)]
+    args += ["--link-bandwidth", "1e8", "--link-latency", "1e-4"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "held-out error" in printed and "b=2" in printed
-    assert Profile.load(out).batch_sizes == (1, 2)
+    prof = Profile.load(out)
+    assert prof.batch_slice_sizes == (1, 2) and prof.layers_per_stage == 1
+    assert (prof.link_bandwidth, prof.link_latency) == (1e8, 1e-4)
 
     assert main(plan_args(out, "--stages", "4", "--json")) == 0
     result = json.loads(capsys.readouterr().out)  # exactly one JSON object
@@ -66,9 +76,12 @@ def test_plan_text(analytic_file: Path, capsys: pytest.CaptureFixture[str]) -> N
     ("extra", "message"),
     [
         (["--stages", "0"], "n_stages K=0"),
-        (["--stages", "2", "--seq-len", "60"], "not divisible by granularity"),
+        (["--stages", "2", "--seq-len", "60"], "not a positive multiple of granularity"),
         (["--stages", "2", "--seq-len", "128"], "beyond the profile's seq_len"),
-        (["--stages", "2", "--max-batch-slice", "4"], "max_batch_slice=4 is outside 1..2"),
+        (
+            ["--stages", "2", "--max-batch-slice-size", "4"],
+            "max_batch_slice_size=4 is outside 1..2",
+        ),
         (["--stages", "2", "--granularity", "4"], "off the profiled grid"),
     ],
 )
@@ -83,7 +96,11 @@ def test_plan_errors(
 def test_plan_needs_every_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "b2.json"
     build_profile(
-        _analytic, config=get_config("tiny"), n_layers=1, seq_len=64, batch_sizes=(2,)
+        _analytic,
+        config=get_config("tiny"),
+        layers_per_stage=1,
+        seq_len=64,
+        batch_slice_sizes=(2,),
     ).save(path)
     assert main(plan_args(path, "--stages", "2")) == 2
     assert "batch size 1 was not profiled" in capsys.readouterr().err
@@ -132,7 +149,7 @@ def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
 
 
-def test_plan_a_paper_setting_on_the_cluster_model(capsys) -> None:
+def test_plan_a_paper_setting_on_the_cluster_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--setting", "10", "--eps", "1e-4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "GPT3-175B" and out["n_stages"] == 48
@@ -141,14 +158,17 @@ def test_plan_a_paper_setting_on_the_cluster_model(capsys) -> None:
     assert out["latency"] <= out["uniform"]["latency"] * (1 + 1e-9)
 
 
-def test_simulate_a_paper_setting(capsys) -> None:
+def test_simulate_a_paper_setting(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--setting", "10", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["latency_terapipe"] < out["latency_gpipe"]
-    assert out["speedup"] == out["latency_gpipe"] / out["latency_terapipe"]
+    # The same setting's row of the committed main results (simulate mode is deterministic).
+    committed = pd.read_csv(ROOT / "results/main_results/main_results-simulate.csv")
+    row = committed[committed.setting == 10].iloc[0]
+    assert out["speedup"] == row.speedup and out["plan"] == row.plan
 
 
-def test_plan_needs_exactly_one_cost_source(capsys) -> None:
+def test_plan_needs_exactly_one_cost_source(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--setting", "10", "--profile", "x.json"]) == 2
     assert "exactly one of --profile FILE or --setting N" in capsys.readouterr().err
     assert main(["plan", "--setting", "11"]) == 2

@@ -1,0 +1,137 @@
+"""Command line: ``python -m tplib <command> ...`` (also installed as ``tplib``).
+
+=============  ===========================================================================
+command        what it does
+=============  ===========================================================================
+``profile``    time one pipeline stage on this machine and save a profile (JSON)
+``plan``       the DP planner on a saved profile or a paper setting, beside the best
+               uniform slicing
+``simulate``   a paper setting with and without TeraPipe on the simulated V100 cluster
+``bench``      train iterations of a schedule on local processes: latency and overhead
+``table``      one paper table in simulate or measure mode, without Jupyter
+``reproduce``  every table notebook under papermill (resumable), then the summary
+=============  ===========================================================================
+
+Each command is one small function from parsed arguments to an exit code, registered in
+:func:`build_parser`. Bad input (a ``ValueError`` from the library, an unreadable file)
+prints ``error: ...`` and exits with 2, as argparse does for usage errors; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tplib.cli.planning import plan_command, profile_command, simulate_command
+from tplib.cli.runs import bench_command, reproduce_command, table_command
+from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
+
+__all__ = ["build_parser", "main"]
+
+TABLES = ("main_results", "dp_ablation", "seqlen_sweep", "simulator_validation")
+
+
+def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("profile", help="time one pipeline stage and save a profile (JSON)")
+    p.add_argument("--model", required=True, help="named config, e.g. tiny, small, GPT3-1B")
+    p.add_argument("--layers", type=int, default=1, help="layers in the stage (default 1)")
+    p.add_argument("--seq-len", type=int, help="L: longest slice + context (default: model's)")
+    p.add_argument("--batch", type=int, default=1, help="profile batch slice sizes 1..B")
+    p.add_argument("--granularity", type=int, default=8, help="g: lengths g, 2g, ..., L")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="sweeps in random order (min); >1 on a shared machine"
+    )
+    p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--link-bandwidth", type=float, default=DEFAULT_LINK_BANDWIDTH, help="bytes/s")
+    p.add_argument("--link-latency", type=float, default=DEFAULT_LINK_LATENCY, help="s per message")
+    p.add_argument("--threads", type=int, help="torch CPU threads while timing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help="profile file to write")
+    p.set_defaults(func=profile_command)
+
+
+def _add_plan_and_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plan", help="plan the slicing from a saved profile or a paper setting")
+    p.add_argument("--profile", help="profile file (from `tplib profile`)")
+    p.add_argument("--setting", type=int, help="paper setting 1..10, on the V100-cluster model")
+    p.add_argument("--seq-len", type=int, help="L: tokens per sequence")
+    p.add_argument("--batch", type=int, help="B: sequences per pipeline per iteration")
+    p.add_argument("--stages", type=int, help="K: pipeline stages")
+    p.add_argument("--eps", type=float, default=0.0, help="t_max tolerance, s (0: exact)")
+    p.add_argument("--method", choices=("exact", "paper"), default="exact")
+    p.add_argument("--granularity", type=int, help="g (default: the profile's)")
+    p.add_argument("--max-batch-slice-size", type=int, help="largest batch slice allowed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=plan_command)
+
+    p = sub.add_parser("simulate", help="a paper setting with and without TeraPipe, simulated")
+    p.add_argument("--setting", type=int, required=True, help="paper setting 1..10 (Table 1)")
+    p.add_argument("--seq-len", type=int, help="longer sequences as in Table 4 (setting 5)")
+    p.add_argument("--method", choices=("exact", "paper"), default="exact")
+    p.add_argument("--eps", type=float, default=1e-4, help="t_max tolerance, s")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=simulate_command)
+
+
+def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="time a schedule on local processes (the real runtime)")
+    p.add_argument("--schedule", required=True, help="gpipe, terapipe or 1f1b")
+    p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
+    p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
+    p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")
+    p.add_argument("--slices", type=int, default=1, help="equal token slices per sequence")
+    p.add_argument("--model", default="small", help="named config (default small)")
+    p.add_argument("--data", type=int, default=1, help="#Data: data-parallel replicas")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--timeout", type=float, default=300.0, help="communication timeout, s")
+    p.add_argument("--threads", type=int, help="torch threads per process")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=bench_command)
+
+    p = sub.add_parser("table", help="one paper table, printed (and saved with --out)")
+    p.add_argument("name", choices=TABLES)
+    p.add_argument("--mode", choices=("simulate", "measure"), default="simulate")
+    p.add_argument("--params", help="the table's parameters as JSON, e.g. '{\"settings\": [9]}'")
+    p.add_argument("--out", help="folder for the CSV and figure")
+    p.add_argument("--tag", help="the files' suffix (default: the mode)")
+    p.set_defaults(func=table_command)
+
+    p = sub.add_parser("reproduce", help="execute the table notebooks with papermill")
+    p.add_argument("--mode", choices=("simulate", "measure", "all"), default="simulate")
+    p.add_argument("--only", nargs="*", choices=TABLES, help="tables (default: all)")
+    p.add_argument(
+        "--params",
+        help='per-table parameters as JSON, e.g. \'{"main_results": {"settings": [9]}}\'',
+    )
+    p.add_argument("--results", help="results folder (default: results/ of this checkout)")
+    p.add_argument("--force", action="store_true", help="start a new run even if one can resume")
+    p.set_defaults(func=reproduce_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tplib", description="TeraPipe kit: profile, plan, simulate and reproduce."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_profile(sub)
+    _add_plan_and_simulate(sub)
+    _add_runs(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors and --help: return the code, don't exit
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        code: int = args.func(args)
+        return code
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,97 @@
+"""The commands that run things: ``bench`` (the runtime on local processes), ``table``
+(one paper table without Jupyter) and ``reproduce`` (every table notebook)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["bench_command", "reproduce_command", "table_command"]
+
+
+def _json_arg(text: str | None, what: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} {text!r} must be a JSON object, e.g. '{{\"settings\": [9]}}'")
+    return value
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from tplib.runtime import RunConfig, bench  # starts processes: import only when asked
+
+    if args.schedule == "gpipe" and args.slices != 1:
+        raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
+    run = RunConfig(
+        model=args.model,
+        schedule=args.schedule,
+        n_stages=args.stages,
+        n_data=args.data,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        slicing=args.slices,
+        steps=args.iters,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+        threads=args.threads or 0,
+    )
+    result = bench(run)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(
+        f"{run.schedule}: {run.model}, K={run.n_stages}, #Data={run.n_data}, B={run.batch}, "
+        f"L={run.seq_len}, plan {result.plan}"
+    )
+    print(
+        f"  median iteration latency {result.median_latency_s:.4f} s over {result.iterations} "
+        f"iterations (mean {result.latency_mean_s:.4f} ± {result.latency_std_s:.4f})"
+    )
+    print(
+        f"  busiest stage's own work {result.busiest_work_s:.4f} s; "
+        f"runtime overhead {result.overhead_s:.4f} s"
+    )
+    return 0
+
+
+def table_command(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from tplib.tables import run_table
+
+    result = run_table(args.name, args.mode, **_json_arg(args.params, "--params"))
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print(result.show().to_string(index=False))
+    print()
+    print(result.findings)
+    if args.out:
+        csv, png = result.save(Path(args.out), args.tag)
+        print(f"\nwrote {csv} and {png}")
+    return 0
+
+
+def reproduce_command(args: argparse.Namespace) -> int:
+    from tplib.reproduce import reproduce
+
+    params = _json_arg(args.params, "--params")
+    report = reproduce(
+        args.mode,
+        force=args.force,
+        params=params,
+        only=tuple(args.only or ()),
+        root=args.results,
+    )
+    n = len(report.ran) + len(report.skipped)
+    how = "resumed an interrupted run" if report.resumed else "started a new run"
+    print(
+        f"{how}: ran {len(report.ran)} of {n} notebooks ({len(report.skipped)} finished earlier "
+        f"in this run); summary in {report.summary_path}\n"
+    )
+    print(report.summary)
+    return 0
