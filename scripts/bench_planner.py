@@ -78,6 +78,7 @@ def main() -> None:
                 )  # fmt: skip
                 took = time.perf_counter() - start
                 true = pipeline_latency(p, cost, s.n_stages)
+                assert p.latency is not None and p.t_max is not None  # the planner sets both
                 print(
                     f"   {method:5s} eps={eps:<6g} {took:6.2f} s   predicted {p.latency:.4f} s"
                     f"   true {true:.4f} s   t_max {p.t_max * 1e3:.2f} ms   {p}"

@@ -12,7 +12,7 @@ import argparse
 
 import pandas as pd
 
-from tplib.experiments import EPS, compare_joint_methods
+from tplib.tables.settings import EPS, compare_joint_methods
 
 
 def main() -> None:

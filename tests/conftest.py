@@ -10,9 +10,11 @@ settings.load_profile("ci")
 
 
 def assert_scaled_close(
-    actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, what: str = ""
+    actual: torch.Tensor | None, expected: torch.Tensor | None, rel: float = 1e-5, what: str = ""
 ) -> None:
-    """Differences within ``rel`` relative to the scale of ``expected`` (its largest magnitude)."""
+    """Differences within ``rel`` relative to the scale of ``expected`` (its largest
+    magnitude). Both must exist: a missing gradient is a failure, not a pass."""
+    assert actual is not None and expected is not None, f"{what}: a tensor is missing"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     scale = expected.abs().max().item()
     err = (actual - expected).abs().max().item()

@@ -21,8 +21,8 @@ def test_stage_parameters_equal_the_whole_models() -> None:
 
 
 def test_seed_changes_the_weights() -> None:
-    a = build_model(CFG, seed=0).blocks["0"].attn.qkv.weight
-    b = build_model(CFG, seed=1).blocks["0"].attn.qkv.weight
+    a = build_model(CFG, seed=0).get_parameter("blocks.0.attn.qkv.weight")
+    b = build_model(CFG, seed=1).get_parameter("blocks.0.attn.qkv.weight")
     assert not torch.equal(a, b)
 
 

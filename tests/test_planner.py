@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from functools import cache
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -201,8 +202,12 @@ def test_joint_plans_match_brute_force(
     cost = TableCost(times, G)
     limit = data.draw(st.none() | st.integers(1, times.shape[0]))
     bmax = min(batch, times.shape[0], limit or batch)
-    kw = dict(seq_len=n * G, batch=batch, n_stages=k, granularity=G, max_batch_slice_size=limit)
-    exact, paper = exact_joint(cost, **kw), paper_joint(cost, **kw)
+    exact, paper = (
+        joint(
+            cost, seq_len=n * G, batch=batch, n_stages=k, granularity=G, max_batch_slice_size=limit
+        )
+        for joint in (exact_joint, paper_joint)
+    )
     for p in (exact, paper):
         p.check_covers(batch, n * G)
         assert max(p.batch_slices) <= bmax
@@ -214,6 +219,7 @@ def test_joint_plans_match_brute_force(
         ]
         assert p.t_max == pytest.approx(max(units), abs=TOL)
     want = brute_exact_joint(times, n, batch, k, bmax)
+    assert exact.latency is not None
     assert exact.latency == pytest.approx(want, abs=TOL)
     assert plan_objective(times, exact, k) == pytest.approx(want, abs=TOL)
     assert paper.latency == pytest.approx(brute_paper_joint(times, n, batch, k, bmax), abs=TOL)
@@ -229,7 +235,11 @@ def test_joint_eps_stays_within_k_eps(
     times, n = table
     got = exact_joint(TableCost(times, G), seq_len=n * G, batch=batch, n_stages=k, eps=eps)
     best = brute_exact_joint(times, n, batch, k, min(batch, times.shape[0]))
+    assert got.latency is not None
     assert best - TOL <= got.latency <= best + k * eps + TOL
+
+
+Method = Literal["exact", "paper"]
 
 
 class LinearCost:
@@ -245,7 +255,7 @@ class LinearCost:
 
 
 @pytest.mark.parametrize("method", ["exact", "paper"])
-def test_plan_output_covers_the_batch_and_reports_its_latency(method: str) -> None:
+def test_plan_output_covers_the_batch_and_reports_its_latency(method: Method) -> None:
     cost = LinearCost()
     p = plan(cost, seq_len=256, batch=6, n_stages=4, method=method, eps=1e-5)
     p.check_covers(6, 256)
@@ -264,7 +274,8 @@ def test_plan_output_covers_the_batch_and_reports_its_latency(method: str) -> No
         assert p.latency == pytest.approx(true)
         # Optimal on the true latency: no uniform slicing (any batch slice size) beats it.
         for size in (1, 2, 3, 6):
-            assert best_uniform(cost, 256, 6, 4, batch_slice_size=size).latency >= true - 1e-12
+            latency = best_uniform(cost, 256, 6, 4, batch_slice_size=size).latency
+            assert latency is not None and latency >= true - 1e-12
 
 
 def test_batch_slices_respect_the_cost_models_and_the_callers_limit() -> None:
@@ -287,7 +298,12 @@ def test_uniform_slices_as_equal_as_the_grid_allows() -> None:
     t = [times[1, 3, 0], times[1, 2, 3]] * 2
     assert p.latency == pytest.approx(sum(t) + 2 * max(t))
     best = best_uniform(cost, 40, 4, 3)
-    assert best.latency == min(uniform(cost, 40, 4, 3, m).latency for m in (1, 2, 4))
+    assert best.latency == min(_latency(uniform(cost, 40, 4, 3, m)) for m in (1, 2, 4))
+
+
+def _latency(p: Plan) -> float:
+    assert p.latency is not None
+    return p.latency
 
 
 def test_pipeline_latency_reads_plans_in_every_form() -> None:

@@ -231,8 +231,8 @@ TOKEN_PLAN = Plan.from_paper("[(1, [1, 1])] * 2")
 def test_catches_backward_before_its_forward() -> None:
     s = terapipe(3, TOKEN_PLAN)
     acts = list(s.actions[1])
-    f = acts.index(Action("F", 1, 1, 1))
-    b = acts.index(Action("B", 1, 1, 1))
+    f = acts.index(Action(Kind.F, 1, 1, 1))
+    b = acts.index(Action(Kind.B, 1, 1, 1))
     acts[f], acts[b] = acts[b], acts[f]
     assert_caught(with_stage(s, 1, acts), "B b1 t1", "B b1 t1", "F b1 t1")
 
@@ -240,7 +240,7 @@ def test_catches_backward_before_its_forward() -> None:
 def test_catches_token_slices_forward_out_of_order() -> None:
     s = terapipe(3, TOKEN_PLAN)
     acts = list(s.actions[0])
-    i, j = acts.index(Action("F", 0, 0, 0)), acts.index(Action("F", 0, 0, 1))
+    i, j = acts.index(Action(Kind.F, 0, 0, 0)), acts.index(Action(Kind.F, 0, 0, 1))
     acts[i], acts[j] = acts[j], acts[i]
     assert_caught(with_stage(s, 0, acts), "F b0 t1", "F b0 t1", "K/V")
 
@@ -248,14 +248,14 @@ def test_catches_token_slices_forward_out_of_order() -> None:
 def test_catches_token_slices_backward_in_forward_order() -> None:
     s = one_f_one_b(3, TOKEN_PLAN)
     acts = list(s.actions[2])
-    i, j = acts.index(Action("B", 2, 1, 1)), acts.index(Action("B", 2, 1, 0))
+    i, j = acts.index(Action(Kind.B, 2, 1, 1)), acts.index(Action(Kind.B, 2, 1, 0))
     acts[i], acts[j] = acts[j], acts[i]
     assert_caught(with_stage(s, 2, acts), "B b1 t0", "B b1 t0", "last-to-first")
 
 
 def test_catches_missing_send() -> None:
     s = terapipe(3, TOKEN_PLAN)
-    acts = [a for a in s.actions[0] if a != Action("SA", 0, 1, 0)]
+    acts = [a for a in s.actions[0] if a != Action(Kind.SA, 0, 1, 0)]
     assert_caught(with_stage(s, 0, acts), "F b1 t0", "SA b1 t0", "lacks")
 
 
@@ -278,7 +278,7 @@ def test_catches_fifo_mismatch_between_stages() -> None:
         ],
     )
     error = assert_caught(s, "F b0 t0", "FIFO", "RA b0 t0", "SA b1 t0")
-    assert Action("RA", 1, 0, 0) in error.actions
+    assert Action(Kind.RA, 1, 0, 0) in error.actions
 
 
 def test_catches_deadlock() -> None:
@@ -310,9 +310,9 @@ def test_catches_a_missing_or_misplaced_update() -> None:
 
 def test_catches_receive_from_nowhere_and_foreign_units() -> None:
     s = terapipe(2, TOKEN_PLAN)
-    extra = with_stage(s, 0, [Action("RA", 0, 0, 0), *s.actions[0]])
+    extra = with_stage(s, 0, [Action(Kind.RA, 0, 0, 0), *s.actions[0]])
     assert_caught(extra, "F b0 t0", "RA b0 t0", "has none")
-    foreign = with_stage(s, 1, [*s.actions[1], Action("F", 1, 5, 0)])
+    foreign = with_stage(s, 1, [*s.actions[1], Action(Kind.F, 1, 5, 0)])
     with pytest.raises(ScheduleError, match="not in the plan"):
         validate(foreign)
 
@@ -344,10 +344,10 @@ def test_replay_with_transfer_times() -> None:
 
 def test_format_grid_marks_an_action() -> None:
     s = one_f_one_b(3, TOKEN_PLAN)
-    grid = format_grid(s, Action("RG", 0, 0, 1))  # a receive marks its backward
+    grid = format_grid(s, Action(Kind.RG, 0, 0, 1))  # a receive marks its backward
     assert ">B b0 t1<" in grid and grid.count(">") == 1
     assert len(grid.splitlines()) == 2 + 3
-    narrow = format_grid(s, Action("B", 0, 1, 0), max_steps=4)
+    narrow = format_grid(s, Action(Kind.B, 0, 1, 0), max_steps=4)
     assert ">B b1 t0<" in narrow and "..." in narrow
 
 
@@ -371,7 +371,7 @@ def test_update_actions_have_no_unit(kind: Kind) -> None:
 
 
 def test_kinds_are_typed_and_compare_as_text() -> None:
-    assert Action("F", 0, 0, 0).kind is Kind.F  # text is turned into the enum
+    assert Action(Kind.F, 0, 0, 0).kind is Kind.F  # text is turned into the enum
     assert Kind.SA == "SA" and f"{Kind.OPT}" == "OPT"
     assert {k.value for k in Kind} == {"F", "B", "SA", "RA", "SG", "RG", "AR", "OPT"}
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.plots import plot_timeline
-from tplib.schedule import Action, Schedule, ScheduleError, make_schedule
+from tplib.schedule import Action, Kind, Schedule, ScheduleError, make_schedule
 from tplib.simulate import (
     TIMELINE_COLUMNS,
     ConstantCosts,
@@ -108,16 +108,16 @@ def test_deadlocked_schedule_raises() -> None:
     # Both stages start by waiting for the other: stage 0 for a gradient that stage 1
     # sends only after its forward, which waits for stage 0's activation.
     stage0 = [
-        Action("RG", 0, 0, 0),
-        Action("F", 0, 0, 0),
-        Action("SA", 0, 0, 0),
-        Action("B", 0, 0, 0),
+        Action(Kind.RG, 0, 0, 0),
+        Action(Kind.F, 0, 0, 0),
+        Action(Kind.SA, 0, 0, 0),
+        Action(Kind.B, 0, 0, 0),
     ]
     stage1 = [
-        Action("RA", 1, 0, 0),
-        Action("F", 1, 0, 0),
-        Action("B", 1, 0, 0),
-        Action("SG", 1, 0, 0),
+        Action(Kind.RA, 1, 0, 0),
+        Action(Kind.F, 1, 0, 0),
+        Action(Kind.B, 1, 0, 0),
+        Action(Kind.SG, 1, 0, 0),
     ]
     bad = Schedule("bad", 2, plan, (tuple(stage0), tuple(stage1)))
     with pytest.raises(ScheduleError, match="deadlock"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from tplib.config import get_config
 from tplib.context import ATTENTION_IMPLS
 from tplib.data import synthetic_batch
-from tplib.model import build_model
+from tplib.model import GPTStage, build_model
 from tplib.plan import Plan, Unit
 from tplib.slicing import SliceExecutor, full_batch_loss, run_pipeline_local
 
@@ -45,19 +46,30 @@ def plans(draw: st.DrawFn, max_batch: int = 4, max_len: int = 40) -> Plan:
     return Plan(batch_slices, token_slices)
 
 
-def _reference(model, tokens, targets):
+def _reference(
+    model: GPTStage, tokens: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     loss = full_batch_loss(model, tokens, targets)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), _grads(model)
 
 
-def _assert_grads_match(stages, ref_grads) -> None:
+def _grads(model: GPTStage) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"{n} has no gradient"
+        out[n] = p.grad.clone()
+    return out
+
+
+def _assert_grads_match(stages: Sequence[GPTStage], ref_grads: dict[str, torch.Tensor]) -> None:
     # A last stage's head is the first stage's embedding; their gradients add up.
     grads: dict[str, torch.Tensor] = {}
     for stage in stages:
         for name, p in stage.named_parameters():
             key = "wte.weight" if name == "head.weight" and stage.cfg.tie_embeddings else name
+            assert p.grad is not None, f"{name} has no gradient"
             grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
@@ -100,7 +112,7 @@ def test_middle_stage_input_gradients_match(plan: Plan, attention: str) -> None:
     x_ref = x.clone().requires_grad_()
     y_ref = stage(x_ref)
     y_ref.backward(grad_out)
-    ref_grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    ref_grads = _grads(stage)
     stage.zero_grad()
     x_sl = x.clone().requires_grad_()
     y = run_pipeline_local([stage], x_sl, plan, grad_output=grad_out, attention=attention)

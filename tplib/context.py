@@ -115,7 +115,7 @@ def _alias(buffer: Tensor, end: int) -> Tensor:
 
 class _AppendKV(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         k: Tensor,
         v: Tensor,
@@ -129,7 +129,7 @@ class _AppendKV(torch.autograd.Function):
         return _alias(layer.k, end), _alias(layer.v, end)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx,
         grad_keys: Tensor | None,
         grad_values: Tensor | None,
@@ -180,7 +180,7 @@ def slice_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerContext, start:
 
 
 @lru_cache(maxsize=64)
-def _mask(length: int, end: int, device: torch.device) -> Tensor | object:
+def _mask(length: int, end: int, device: torch.device) -> Tensor:
     """Bottom-right aligned causal mask: query i sees keys ``[0, end - length + i]``."""
     if device.type == "cuda":
         return causal_lower_right(length, end)
@@ -193,7 +193,7 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         q: Tensor,
         k: Tensor,
@@ -217,7 +217,7 @@ class _SplitAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]

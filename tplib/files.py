@@ -44,7 +44,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    return atomic_write(path, write)
 
 
 def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> Path:

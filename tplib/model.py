@@ -38,14 +38,14 @@ class _LinearAccumulate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor
     ) -> Tensor:
         ctx.save_for_backward(x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
     ) -> tuple[Tensor | None, None, None]:
         x, weight, bias = ctx.saved_tensors  # type: ignore[attr-defined]

@@ -20,8 +20,11 @@ import ast
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TypeVar
 
 __all__ = ["Plan", "Unit", "grid_size"]
+
+T = TypeVar("T")
 
 
 def grid_size(seq_len: int, granularity: int) -> int:
@@ -204,8 +207,8 @@ class Plan:
         return self.to_paper()
 
 
-def _runs(items: Sequence) -> list[tuple[object, int]]:
-    out: list[tuple[object, int]] = []
+def _runs(items: Sequence[T]) -> list[tuple[T, int]]:
+    out: list[tuple[T, int]] = []
     for x in items:
         if out and out[-1][0] == x:
             out[-1] = (x, out[-1][1] + 1)

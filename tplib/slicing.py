@@ -180,7 +180,7 @@ def run_pipeline_local(
             h = ex.forward(unit, h, y)
         outputs.append(h)
     for unit in reversed(list(plan.units())):
-        grad = None if ends_model else _unit_rows(plan, unit, grad_output)
+        grad = None if grad_output is None else _unit_rows(plan, unit, grad_output)
         for ex in reversed(executors):
             grad = ex.backward(unit, grad)
         if x.requires_grad and grad is not None:

@@ -142,6 +142,7 @@ class Worker:
         shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.run.cfg.hidden)
         buf = torch.empty(shape, dtype=torch.float32, device=self.device)
         work = dist.irecv(buf, self._peer(action))
+        assert work is not None  # point-to-point ops always return their Work
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:
