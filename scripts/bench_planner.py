@@ -73,9 +73,14 @@ def main() -> None:
             for method in ("paper", "exact"):
                 start = time.perf_counter()
                 p = plan(
-                    cost, seq_len=s.seq_len, batch=s.batch, n_stages=s.n_stages,
-                    granularity=s.granularity, eps=eps, method=method,
-                )  # fmt: skip
+                    cost,
+                    seq_len=s.seq_len,
+                    batch=s.batch,
+                    n_stages=s.n_stages,
+                    granularity=s.granularity,
+                    eps=eps,
+                    method=method,
+                )
                 took = time.perf_counter() - start
                 true = pipeline_latency(p, cost, s.n_stages)
                 assert p.latency is not None and p.t_max is not None  # the planner sets both

@@ -22,9 +22,18 @@ def main() -> None:
     args = p.parse_args()
     df = compare_joint_methods(args.settings, eps=args.eps)
     pd.set_option("display.width", 220, "display.max_colwidth", 60)
-    cols = ["setting", "model", "latency_paper", "latency_exact", "paper_over_exact",
-            "simulated_paper", "simulated_exact", "simulated_paper_over_exact",
-            "plan_seconds_paper", "plan_seconds_exact"]  # fmt: skip
+    cols = [
+        "setting",
+        "model",
+        "latency_paper",
+        "latency_exact",
+        "paper_over_exact",
+        "simulated_paper",
+        "simulated_exact",
+        "simulated_paper_over_exact",
+        "plan_seconds_paper",
+        "plan_seconds_exact",
+    ]
     print(df[cols].round(4).to_string(index=False))
     print(df[["setting", "plan_paper", "plan_exact"]].to_string(index=False))
 

@@ -25,3 +25,27 @@ def test_readme_table_matches_the_committed_results() -> None:
         assert float(paper) == round(r.paper_speedup, 2), setting
         assert float(ours) == round(r.speedup, 2), setting
         assert float(err) == round(100 * r.err_speedup, 1), setting
+
+
+def _layout_rows() -> dict[str, str]:
+    text = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(tplib/[^`]+)` \| (.+) \|$", text, flags=re.MULTILINE))
+
+
+def test_readme_layout_table_matches_the_package() -> None:
+    """Every module and package of tplib has a row; every module a package row names
+    exists, and every module of a package is named (its __init__ aside)."""
+    rows = _layout_rows()
+    tplib = ROOT / "tplib"
+    present = {
+        f"tplib/{p.name}/" if p.is_dir() else f"tplib/{p.name}"
+        for p in tplib.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+    }
+    assert set(rows) == present
+    for path, text in rows.items():
+        if path.endswith("/"):
+            named = set(re.findall(r"`(\w+)\.py`", text))
+            modules = {p.stem for p in (ROOT / path).glob("*.py") if p.stem != "__init__"}
+            assert named == modules, path

@@ -45,10 +45,17 @@ def _lighten(color: tuple[float, float, float], amount: float) -> tuple[float, f
 
 
 def plot_timeline(
-    df: pd.DataFrame, ax: Axes | None = None, title: str | None = None, *,
-    replica: int | None = 0, iteration: int | None = None, show_comm: bool = True,
-    palette: str = "tab10", time_unit: float = 1.0, stages: Sequence[int] | None = None,
-) -> Axes:  # fmt: skip
+    df: pd.DataFrame,
+    ax: Axes | None = None,
+    title: str | None = None,
+    *,
+    replica: int | None = 0,
+    iteration: int | None = None,
+    show_comm: bool = True,
+    palette: str = "tab10",
+    time_unit: float = 1.0,
+    stages: Sequence[int] | None = None,
+) -> Axes:
     """Gantt chart of a pipeline trace, one row per stage (stage 0 at the top).
 
     ``replica`` selects one data-parallel replica of a measured trace (None: all rows,
@@ -86,18 +93,28 @@ def plot_timeline(
             _lighten(colors[int(b) % len(colors)], 0.55 if k == Kind.F else 0.0)
             for k, b in zip(kinds[compute], bs[compute], strict=True)
         ]
-        ax.broken_barh(list(zip(start[compute], width[compute], strict=True)), (y - 0.4, 0.8),
-                       facecolors=faces, edgecolor="white", linewidth=0.3)  # fmt: skip
+        ax.broken_barh(
+            list(zip(start[compute], width[compute], strict=True)),
+            (y - 0.4, 0.8),
+            facecolors=faces,
+            edgecolor="white",
+            linewidth=0.3,
+        )
         for kind, color in _STEP_COLORS.items():
             sel = kinds == kind
             if sel.any():
-                ax.broken_barh(list(zip(start[sel], width[sel], strict=True)), (y - 0.4, 0.8),
-                               facecolors=color)  # fmt: skip
+                ax.broken_barh(
+                    list(zip(start[sel], width[sel], strict=True)), (y - 0.4, 0.8), facecolors=color
+                )
         if show_comm:
             sel = np.isin(kinds, _COMM) & (width > 0)
             if sel.any():
-                ax.broken_barh(list(zip(start[sel], width[sel], strict=True)), (y + 0.25, 0.15),
-                               facecolors="black", alpha=0.6)  # fmt: skip
+                ax.broken_barh(
+                    list(zip(start[sel], width[sel], strict=True)),
+                    (y + 0.25, 0.15),
+                    facecolors="black",
+                    alpha=0.6,
+                )
     ax.set_yticks(range(len(rows)), [f"stage {s}" for s in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     unit = {1.0: "s", 1e-3: "ms", 1e-6: "us"}.get(time_unit, f"x{time_unit:g} s")
@@ -156,23 +173,35 @@ def _speedup_panel(ax: Axes, df: pd.DataFrame, x: str, band: float = 0.2) -> Non
     ax.legend(title=None, fontsize=8)
 
 
-def main_results_figure(df: pd.DataFrame) -> plt.Figure:
-    """Figure 5: iteration latency of every setting w/o and w/ TeraPipe, paper and ours."""
-    df = df.assign(label=[f"({s})\n{m}" for s, m in zip(df.setting, df.model, strict=True)])
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.1 * len(df)), 7))
-    sns.barplot(
-        _latency_long(df, "label"), x="label", y="latency (s)", hue="series",
-        palette=_SERIES_COLORS, ax=ax1,
-    )  # fmt: skip
-    ax1.set_yscale("log")
+def _latency_and_speedup(
+    df: pd.DataFrame, labels: list[str], *, tall: bool, title: str, xlabel: str
+) -> plt.Figure:
+    """Latency of GPipe and TeraPipe, paper and ours, over ``labels`` (log scale when
+    ``tall``, for settings whose latencies span decades), and the speedups below or beside."""
+    df = df.assign(label=labels)
+    if tall:
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.1 * len(df)), 7))
+    else:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    long = _latency_long(df, "label")
+    sns.barplot(long, x="label", y="latency (s)", hue="series", palette=_SERIES_COLORS, ax=ax1)
+    if tall:
+        ax1.set_yscale("log")
     ax1.set_xlabel("")
-    ax1.set_title("Training iteration latency (Figure 5): paper vs reproduced")
-    ax1.legend(title=None, fontsize=8, ncols=2)
+    ax1.set_title(title)
+    ax1.legend(title=None, fontsize=8, ncols=2 if tall else 1)
     _speedup_panel(ax2, df, "label")
-    ax2.set_xlabel("setting (Table 1)")
+    ax2.set_xlabel(xlabel)
     ax2.set_title("Speedup; ticks mark the paper's value ±20%")
     fig.tight_layout()
     return fig
+
+
+def main_results_figure(df: pd.DataFrame) -> plt.Figure:
+    """Figure 5: iteration latency of every setting w/o and w/ TeraPipe, paper and ours."""
+    labels = [f"({s})\n{m}" for s, m in zip(df.setting, df.model, strict=True)]
+    title = "Training iteration latency (Figure 5): paper vs reproduced"
+    return _latency_and_speedup(df, labels, tall=True, title=title, xlabel="setting (Table 1)")
 
 
 def dp_ablation_figure(df: pd.DataFrame) -> plt.Figure:
@@ -183,13 +212,15 @@ def dp_ablation_figure(df: pd.DataFrame) -> plt.Figure:
         part = df[df.setting == n]
         long = pd.concat(
             [
-                pd.DataFrame({"algorithm": part.algorithm, "source": "paper", "latency (s)": part.paper_latency}),
-                pd.DataFrame({"algorithm": part.algorithm, "source": "ours", "latency (s)": part.latency}),
+                part.assign(source=source, seconds=part[column])
+                for source, column in (("paper", "paper_latency"), ("ours", "latency"))
             ],
             ignore_index=True,
-        )  # fmt: skip
-        sns.barplot(long, x="algorithm", y="latency (s)", hue="source",
-                    palette=["#3182bd", "#e6550d"], ax=ax)  # fmt: skip
+        )
+        sns.barplot(
+            long, x="algorithm", y="seconds", hue="source", palette=["#3182bd", "#e6550d"], ax=ax
+        )
+        ax.set_ylabel("latency (s)")
         ax.set_title(f"({n}) {part.model.iloc[0]}: uniform slicing vs DP (Figure 6)")
         ax.tick_params(axis="x", rotation=45)
         ax.set_xlabel("")
@@ -200,22 +231,9 @@ def dp_ablation_figure(df: pd.DataFrame) -> plt.Figure:
 
 def seqlen_figure(df: pd.DataFrame) -> plt.Figure:
     """Figure 7: GPT3-13B at growing sequence length, w/o and w/ TeraPipe, paper and ours."""
-    df = df.assign(
-        label=[f"L={s}\nB={b}" for s, b in zip(df.seq_len, df.pipeline_batch, strict=True)]
-    )
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    sns.barplot(
-        _latency_long(df, "label"), x="label", y="latency (s)", hue="series",
-        palette=_SERIES_COLORS, ax=ax1,
-    )  # fmt: skip
-    ax1.set_xlabel("")
-    ax1.set_title("GPT3-13B, setting (5): latency (Figure 7)")
-    ax1.legend(title=None, fontsize=8)
-    _speedup_panel(ax2, df, "label")
-    ax2.set_xlabel("")
-    ax2.set_title("Speedup; ticks mark the paper's value ±20%")
-    fig.tight_layout()
-    return fig
+    labels = [f"L={s}\nB={b}" for s, b in zip(df.seq_len, df.pipeline_batch, strict=True)]
+    title = "GPT3-13B, setting (5): latency (Figure 7)"
+    return _latency_and_speedup(df, labels, tall=False, title=title, xlabel="")
 
 
 # ---- measured (real processes) beside simulated -------------------------------------------
@@ -239,21 +257,31 @@ def measured_figure(df: pd.DataFrame, x: str) -> plt.Figure:
     short = {"pipeline_batch": "B", "seq_len": "L"}.get(x, x)
     labels = [f"{short}={v}" for v in df[x]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    _bars_with_error(ax1, labels, {
-        "measured, w/o TeraPipe": (df.latency_gpipe, df.latency_gpipe_std, "#fdae6b"),
-        "simulated, w/o TeraPipe": (df.simulated_latency_gpipe, None, "#fee6ce"),
-        "measured, w/ TeraPipe": (df.latency_terapipe, df.latency_terapipe_std, "#e6550d"),
-        "simulated, w/ TeraPipe": (df.simulated_latency_terapipe, None, "#fdd0a2"),
-    }, width=0.2)  # fmt: skip
+    _bars_with_error(
+        ax1,
+        labels,
+        {
+            "measured, w/o TeraPipe": (df.latency_gpipe, df.latency_gpipe_std, "#fdae6b"),
+            "simulated, w/o TeraPipe": (df.simulated_latency_gpipe, None, "#fee6ce"),
+            "measured, w/ TeraPipe": (df.latency_terapipe, df.latency_terapipe_std, "#e6550d"),
+            "simulated, w/ TeraPipe": (df.simulated_latency_terapipe, None, "#fdd0a2"),
+        },
+        width=0.2,
+    )
     ax1.set_ylabel("iteration latency (s)")
     ax1.set_title(
         f"Measured on this machine vs simulated ({df.model.iloc[0]}, K={df.n_stages.iloc[0]})"
     )
     ax1.legend(fontsize=8)
-    _bars_with_error(ax2, labels, {
-        "measured": (df.speedup, None, "#e6550d"),
-        "simulated": (df.simulated_speedup, None, "#fdd0a2"),
-    }, width=0.35)  # fmt: skip
+    _bars_with_error(
+        ax2,
+        labels,
+        {
+            "measured": (df.speedup, None, "#e6550d"),
+            "simulated": (df.simulated_speedup, None, "#fdd0a2"),
+        },
+        width=0.35,
+    )
     ax2.axhline(1.0, color="0.5", lw=0.8, ls=":")
     ax2.set_ylabel("speedup of TeraPipe over GPipe")
     ax2.set_title("Speedup: measured vs simulated")
@@ -266,10 +294,15 @@ def measured_ablation_figure(df: pd.DataFrame) -> plt.Figure:
     """Measure mode of Table 3: uniform #slices and the DP, measured (median, error bar
     one standard deviation) beside the simulator's prediction."""
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(df)), 4))
-    _bars_with_error(ax, list(df.algorithm), {
-        "measured": (df.latency, df.latency_std, "#e6550d"),
-        "simulated": (df.simulated_latency, None, "#fdd0a2"),
-    }, width=0.35)  # fmt: skip
+    _bars_with_error(
+        ax,
+        list(df.algorithm),
+        {
+            "measured": (df.latency, df.latency_std, "#e6550d"),
+            "simulated": (df.simulated_latency, None, "#fdd0a2"),
+        },
+        width=0.35,
+    )
     ax.set_ylabel("iteration latency (s)")
     ax.set_title(
         f"Uniform slicing vs DP, measured vs simulated ({df.model.iloc[0]}, "

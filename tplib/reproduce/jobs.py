@@ -95,8 +95,12 @@ class Job:
 
     def record(self) -> dict[str, Any]:
         """The job as the run manifest records it."""
-        return {"table": self.table, "mode": self.mode, "tag": self.tag or self.mode,
-                "params": dict(self.params)}  # fmt: skip
+        return {
+            "table": self.table,
+            "mode": self.mode,
+            "tag": self.tag or self.mode,
+            "params": dict(self.params),
+        }
 
 
 def default_jobs(

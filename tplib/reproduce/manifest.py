@@ -78,9 +78,14 @@ class Manifest:
     def save(self) -> None:
         write_json(
             self.path,
-            {"format": FORMAT, "code": self.code, "started": self.started,
-             "finished": self.finished, "jobs": self.jobs},
-        )  # fmt: skip
+            {
+                "format": FORMAT,
+                "code": self.code,
+                "started": self.started,
+                "finished": self.finished,
+                "jobs": self.jobs,
+            },
+        )
 
     def resumes(self, code: str, jobs: Sequence[Job]) -> bool:
         """Whether a run of ``jobs`` on code ``code`` continues this one."""

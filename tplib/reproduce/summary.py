@@ -75,7 +75,7 @@ def equal_to_reference(
 
 def section(table: Table, mode: Mode, df: pd.DataFrame, reference: pd.DataFrame | None) -> str:
     """The summary of one produced table (see the module docstring), as markdown."""
-    cmp = table.compare[mode]
+    cmp = table.modes[mode].compare
     lines = [f"### {table.title} ({table.paper}), {mode} mode", ""]
     head = [*cmp.key, *cmp.label]
     cols = [*head, *(["paper"] if cmp.paper else []), "reproduced"]

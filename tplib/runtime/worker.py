@@ -274,9 +274,18 @@ class Worker:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.result.trace.append(
-                    (self.rank, self.stage_id, self.replica, index - run.warmup,
-                     action.kind.value, action.b, action.t, start - t0, time.perf_counter() - t0)
-                )  # fmt: skip
+                    (
+                        self.rank,
+                        self.stage_id,
+                        self.replica,
+                        index - run.warmup,
+                        action.kind.value,
+                        action.b,
+                        action.t,
+                        start - t0,
+                        time.perf_counter() - t0,
+                    )
+                )
         dist.barrier()
         if record:
             self.result.iteration_s.append(time.perf_counter() - t0)

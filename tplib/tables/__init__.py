@@ -22,7 +22,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tplib.tables.base import MODES, TIMING_COLUMNS, Comparison, Mode, Rows, Table, TableResult, run
+from tplib.tables.base import (
+    MODES,
+    TIMING_COLUMNS,
+    Comparison,
+    Mode,
+    Rows,
+    Table,
+    TableMode,
+    TableResult,
+    run,
+)
 
 __all__ = [
     "MODES",
@@ -32,6 +42,7 @@ __all__ = [
     "Mode",
     "Rows",
     "Table",
+    "TableMode",
     "TableResult",
     "get_table",
     "run_table",

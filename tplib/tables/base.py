@@ -1,9 +1,10 @@
 """What a paper table is in tplib, and what running one gives.
 
-A :class:`Table` is one of the paper's tables as data: how to build its rows in each
-mode (``"simulate"``: the V100-cluster model; ``"measure"``: real processes on this
-machine beside the simulator), how to draw it, what its findings are, which columns to
-show, and which numbers :mod:`tplib.reproduce`'s summary compares. :func:`run` builds it
+A :class:`Table` is one of the paper's tables as data: for each mode it runs in
+(``"simulate"``: the V100-cluster model; ``"measure"``: real processes on this machine
+beside the simulator), a :class:`TableMode` says how to build its rows, how to draw
+them, what its findings are, which columns to show, and which numbers
+:mod:`tplib.reproduce`'s summary compares. :func:`run` builds it
 and returns a :class:`TableResult`: the DataFrame, the figure and the findings' text.
 The notebooks, ``python -m tplib table`` and ``make reproduce`` all go through here.
 """
@@ -24,7 +25,17 @@ from tplib.files import save_figure, write_csv
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["MODES", "TIMING_COLUMNS", "Comparison", "Mode", "Rows", "Table", "TableResult", "run"]
+__all__ = [
+    "MODES",
+    "TIMING_COLUMNS",
+    "Comparison",
+    "Mode",
+    "Rows",
+    "Table",
+    "TableMode",
+    "TableResult",
+    "run",
+]
 
 Mode = Literal["simulate", "measure"]
 MODES: tuple[Mode, ...] = ("simulate", "measure")
@@ -59,41 +70,50 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class TableMode:
+    """How a table is built, drawn and read in one mode: its builder (keyword parameters
+    only, each with a default), its figure and findings, the columns a reader looks at
+    first (space-separated) and what the summary compares."""
+
+    build: Callable[..., Rows]
+    figure: Callable[[Rows], Figure]
+    findings: Callable[[pd.DataFrame], str]
+    columns: str
+    compare: Comparison
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(self.columns.split())
+
+    @property
+    def parameters(self) -> list[str]:
+        return list(inspect.signature(self.build).parameters)
+
+
+@dataclass(frozen=True)
 class Table:
     """One of the paper's tables (see the module docstring)."""
 
     name: str  # the notebook and results folder: results/<name>/
     paper: str  # where it is in the paper, e.g. "Figure 5 / Table 2"
     title: str
-    builders: Mapping[Mode, Callable[..., Rows]]
-    figure: Callable[[Rows, Mode], Figure]
-    findings: Callable[[pd.DataFrame, Mode], str]
-    columns: Mapping[Mode, tuple[str, ...]]  # the columns a reader looks at first
-    compare: Mapping[Mode, Comparison]
-
-    @property
-    def modes(self) -> tuple[Mode, ...]:
-        return tuple(m for m in MODES if m in self.builders)
-
-    def parameters(self, mode: Mode) -> list[str]:
-        """The keyword parameters the ``mode`` builder takes."""
-        return list(inspect.signature(self.builders[mode]).parameters)
+    modes: Mapping[Mode, TableMode]
 
     def check(self, mode: str, params: Mapping[str, Any]) -> Mode:
         """Raise ``ValueError`` unless ``mode`` and ``params`` suit this table."""
-        if mode not in self.builders:
+        if mode not in self.modes:
             raise ValueError(
                 f"mode={mode!r}: table {self.name!r} runs in mode {' or '.join(self.modes)}"
             )
         m: Mode = "simulate" if mode == "simulate" else "measure"
-        accepted = self.parameters(m)
+        accepted = self.modes[m].parameters
         unknown = sorted(set(params) - set(accepted))
         if unknown:
             elsewhere = [
                 f"{p!r} is a {other}-mode parameter"
                 for p in unknown
-                for other in self.modes
-                if other != m and p in self.parameters(other)
+                for other, spec in self.modes.items()
+                if other != m and p in spec.parameters
             ]
             hint = f" ({'; '.join(elsewhere)})" if elsewhere else ""
             raise ValueError(
@@ -124,7 +144,7 @@ class TableResult:
 
     def show(self, digits: int = 3) -> pd.DataFrame:
         """The columns a reader looks at first, rounded."""
-        cols = [c for c in self.table.columns[self.mode] if c in self.df.columns]
+        cols = [c for c in self.table.modes[self.mode].column_names if c in self.df.columns]
         return self.df[cols].round(digits)
 
     def paths(self, out_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, Path]:
@@ -143,7 +163,6 @@ class TableResult:
 def run(table: Table, mode: str, params: Mapping[str, Any]) -> TableResult:
     """Build ``table`` in ``mode`` with ``params``; every parameter is checked first."""
     m = table.check(mode, params)
-    rows = table.builders[m](**params)
-    return TableResult(
-        table, m, dict(params), rows, table.figure(rows, m), table.findings(rows.df, m)
-    )
+    spec = table.modes[m]
+    rows = spec.build(**params)
+    return TableResult(table, m, dict(params), rows, spec.figure(rows), spec.findings(rows.df))

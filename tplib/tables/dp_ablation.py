@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from tplib import plots
@@ -22,7 +21,7 @@ from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import ablation_rows, setting
 from tplib.plan import Plan
 from tplib.tables import findings
-from tplib.tables.base import Comparison, Mode, Rows, Table
+from tplib.tables.base import Comparison, Rows, Table, TableMode
 from tplib.tables.settings import EPS, Method, plan_terapipe, rel, simulate_on_cluster
 
 if TYPE_CHECKING:
@@ -126,47 +125,25 @@ def measure(
     return Rows(df)
 
 
-def _figure(rows: Rows, mode: Mode) -> Figure:
-    if mode == "simulate":
-        return plots.dp_ablation_figure(rows.df)
-    return plots.measured_ablation_figure(rows.df)
-
-
-def _findings(df: pd.DataFrame, mode: Mode) -> str:
-    return findings.ablation_targets(df) if mode == "simulate" else findings.measured(df)
-
-
 TABLE = Table(
-    name="dp_ablation",
-    paper="Figure 6 / Table 3",
-    title="DP ablation: uniform token slicing against the DP's plan",
-    builders={"simulate": simulate, "measure": measure},
-    figure=_figure,
-    findings=_findings,
-    columns={
-        "simulate": (
-            "setting",
-            "algorithm",
-            "latency",
-            "paper_latency",
-            "err_latency",
-            "rank",
-            "paper_rank",
-            "plan",
+    "dp_ablation",
+    "Figure 6 / Table 3",
+    "DP ablation: uniform token slicing against the DP's plan",
+    {
+        "simulate": TableMode(
+            simulate,
+            figure=lambda rows: plots.dp_ablation_figure(rows.df),
+            findings=findings.ablation_targets,
+            columns="setting algorithm latency paper_latency err_latency rank paper_rank plan",
+            compare=Comparison(("setting", "algorithm"), "latency", "paper_latency"),
         ),
-        "measure": (
-            "algorithm",
-            "latency",
-            "latency_std",
-            "simulated_latency",
-            "err_simulated_latency",
-            "rank",
-            "simulated_rank",
-            "plan",
+        "measure": TableMode(
+            measure,
+            figure=lambda rows: plots.measured_ablation_figure(rows.df),
+            findings=findings.measured,
+            columns="algorithm latency latency_std simulated_latency err_simulated_latency rank "
+            "simulated_rank plan",
+            compare=Comparison(("algorithm",), "latency"),
         ),
-    },
-    compare={
-        "simulate": Comparison(("setting", "algorithm"), "latency", "paper_latency"),
-        "measure": Comparison(("algorithm",), "latency"),
     },
 )

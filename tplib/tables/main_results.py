@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from tplib import plots
@@ -21,7 +20,7 @@ from tplib.cluster import CALIBRATION, Calibration
 from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import GPIPE, TERAPIPE, main_row
 from tplib.tables import findings
-from tplib.tables.base import Comparison, Mode, Rows, Table
+from tplib.tables.base import Comparison, Rows, Table, TableMode
 from tplib.tables.settings import (
     EPS,
     Method,
@@ -89,52 +88,28 @@ def measure(
     return Rows(pd.DataFrame(rows))
 
 
-def _figure(rows: Rows, mode: Mode) -> Figure:
-    if mode == "simulate":
-        return plots.main_results_figure(rows.df)
-    return plots.measured_figure(rows.df, "pipeline_batch")
-
-
-def _findings(df: pd.DataFrame, mode: Mode) -> str:
-    return findings.speedup_targets(df, "setting") if mode == "simulate" else findings.measured(df)
-
-
 TABLE = Table(
-    name="main_results",
-    paper="Figure 5 / Table 2",
-    title="Main results: every setting without and with TeraPipe",
-    builders={"simulate": simulate, "measure": measure},
-    figure=_figure,
-    findings=_findings,
-    columns={
-        "simulate": (
-            "setting",
-            "model",
-            "latency_gpipe",
-            "paper_latency_gpipe",
-            "latency_terapipe",
-            "paper_latency_terapipe",
-            "speedup",
-            "paper_speedup",
-            "err_speedup",
-            "tflops_per_gpu",
+    "main_results",
+    "Figure 5 / Table 2",
+    "Main results: every setting without and with TeraPipe",
+    {
+        "simulate": TableMode(
+            simulate,
+            figure=lambda rows: plots.main_results_figure(rows.df),
+            findings=lambda df: findings.speedup_targets(df, "setting"),
+            columns="setting model latency_gpipe paper_latency_gpipe latency_terapipe "
+            "paper_latency_terapipe speedup paper_speedup err_speedup tflops_per_gpu "
             "paper_tflops_per_gpu",
+            compare=Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
         ),
-        "measure": (
-            "pipeline_batch",
-            "latency_gpipe",
-            "latency_gpipe_std",
-            "simulated_latency_gpipe",
-            "latency_terapipe",
-            "latency_terapipe_std",
-            "simulated_latency_terapipe",
-            "speedup",
-            "simulated_speedup",
-            "plan",
+        "measure": TableMode(
+            measure,
+            figure=lambda rows: plots.measured_figure(rows.df, "pipeline_batch"),
+            findings=findings.measured,
+            columns="pipeline_batch latency_gpipe latency_gpipe_std simulated_latency_gpipe "
+            "latency_terapipe latency_terapipe_std simulated_latency_terapipe speedup "
+            "simulated_speedup plan",
+            compare=Comparison(("pipeline_batch",), "speedup"),
         ),
-    },
-    compare={
-        "simulate": Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
-        "measure": Comparison(("pipeline_batch",), "speedup"),
     },
 )

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from tplib import plots
@@ -20,7 +19,7 @@ from tplib.cluster import CALIBRATION, Calibration
 from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import GPIPE, SEQLEN_BATCH, TERAPIPE, seqlen_row
 from tplib.tables import findings
-from tplib.tables.base import Comparison, Mode, Rows, Table
+from tplib.tables.base import Comparison, Rows, Table, TableMode
 from tplib.tables.settings import EPS, Method, beside_paper, simulate_setting
 
 if TYPE_CHECKING:
@@ -86,51 +85,27 @@ def measure(
     return Rows(pd.DataFrame(rows))
 
 
-def _figure(rows: Rows, mode: Mode) -> Figure:
-    if mode == "simulate":
-        return plots.seqlen_figure(rows.df)
-    return plots.measured_figure(rows.df, "seq_len")
-
-
-def _findings(df: pd.DataFrame, mode: Mode) -> str:
-    return findings.speedup_targets(df, "seq_len") if mode == "simulate" else findings.measured(df)
-
-
 TABLE = Table(
-    name="seqlen_sweep",
-    paper="Figure 7 / Table 4",
-    title="Longer sequences: GPT3-13B at growing L, without and with TeraPipe",
-    builders={"simulate": simulate, "measure": measure},
-    figure=_figure,
-    findings=_findings,
-    columns={
-        "simulate": (
-            "seq_len",
-            "pipeline_batch",
-            "latency_gpipe",
-            "paper_latency_gpipe",
-            "latency_terapipe",
-            "paper_latency_terapipe",
-            "speedup",
-            "paper_speedup",
-            "err_speedup",
+    "seqlen_sweep",
+    "Figure 7 / Table 4",
+    "Longer sequences: GPT3-13B at growing L, without and with TeraPipe",
+    {
+        "simulate": TableMode(
+            simulate,
+            figure=lambda rows: plots.seqlen_figure(rows.df),
+            findings=lambda df: findings.speedup_targets(df, "seq_len"),
+            columns="seq_len pipeline_batch latency_gpipe paper_latency_gpipe "
+            "latency_terapipe paper_latency_terapipe speedup paper_speedup err_speedup",
+            compare=Comparison(("seq_len",), "speedup", "paper_speedup", ("pipeline_batch",)),
         ),
-        "measure": (
-            "seq_len",
-            "pipeline_batch",
-            "latency_gpipe",
-            "latency_gpipe_std",
-            "simulated_latency_gpipe",
-            "latency_terapipe",
-            "latency_terapipe_std",
-            "simulated_latency_terapipe",
-            "speedup",
-            "simulated_speedup",
-            "plan",
+        "measure": TableMode(
+            measure,
+            figure=lambda rows: plots.measured_figure(rows.df, "seq_len"),
+            findings=findings.measured,
+            columns="seq_len pipeline_batch latency_gpipe latency_gpipe_std "
+            "simulated_latency_gpipe latency_terapipe latency_terapipe_std "
+            "simulated_latency_terapipe speedup simulated_speedup plan",
+            compare=Comparison(("seq_len",), "speedup", None, ("pipeline_batch",)),
         ),
-    },
-    compare={
-        "simulate": Comparison(("seq_len",), "speedup", "paper_speedup", ("pipeline_batch",)),
-        "measure": Comparison(("seq_len",), "speedup", None, ("pipeline_batch",)),
     },
 )

@@ -14,13 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from tplib import plots
 from tplib.measure import Profiling, grid
 from tplib.plan import Plan
-from tplib.tables.base import Comparison, Mode, Rows, Table
+from tplib.tables.base import Comparison, Rows, Table, TableMode
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool
@@ -92,11 +91,7 @@ def measure(
     return Rows(pd.DataFrame(rows), traces=runs)
 
 
-def _figure(rows: Rows, mode: Mode) -> Figure:
-    return plots.validation_figure(rows.df, rows.traces)
-
-
-def _findings(df: pd.DataFrame, mode: Mode) -> str:
+def _findings(df: pd.DataFrame) -> str:
     def verdict(err: float) -> str:
         return "within" if abs(err) <= TARGET else "OUTSIDE"
 
@@ -114,25 +109,18 @@ def _findings(df: pd.DataFrame, mode: Mode) -> str:
 
 
 TABLE = Table(
-    name="simulator_validation",
-    paper="(method)",
-    title="The simulator against measured iteration latency on this machine",
-    builders={"measure": measure},
-    figure=_figure,
-    findings=_findings,
-    columns={
-        "measure": (
-            "schedule",
-            "plan",
-            "latency",
-            "latency_std",
-            "simulated_latency",
-            "err_simulated_latency",
-            "simulated_latency_dedicated",
-            "err_simulated_latency_dedicated",
-            "busy_cores",
+    "simulator_validation",
+    "(method)",
+    "The simulator against measured iteration latency on this machine",
+    {
+        "measure": TableMode(
+            measure,
+            figure=lambda rows: plots.validation_figure(rows.df, rows.traces),
+            findings=_findings,
+            columns="schedule plan latency latency_std simulated_latency err_simulated_latency "
+            "simulated_latency_dedicated err_simulated_latency_dedicated busy_cores "
             "holdout_error",
+            compare=Comparison(("schedule",), "err_simulated_latency"),
         ),
     },
-    compare={"measure": Comparison(("schedule",), "err_simulated_latency")},
 )
