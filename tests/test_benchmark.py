@@ -25,8 +25,26 @@ def test_busiest_stage_work_sums_compute_per_rank() -> None:
 
 
 def test_bench_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "--schedule", "terapipe", "--stages", "2", "--batch", "2", "--seq-len", "32",
-            "--slices", "4", "--model", "tiny", "--iters", "2", "--warmup", "0", "--json"]  # fmt: skip
+    argv = [
+        "bench",
+        "--schedule",
+        "terapipe",
+        "--stages",
+        "2",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--slices",
+        "4",
+        "--model",
+        "tiny",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["median_latency_s"] > 0 and out["iterations"] == 2

@@ -22,7 +22,7 @@ def test_public_names_resolve() -> None:
     for name in tplib.explorer.__all__:
         assert getattr(tplib.explorer, name) is not None, name
     assert tplib.explorer.figure is figure and tplib.explorer.Explorer is Explorer
-    assert callable(tplib.explorer.explore)  # the function, not its module
+    assert callable(tplib.explorer.explore)
     with pytest.raises(AttributeError, match="no attribute 'widgets'"):
         tplib.explorer.widgets  # noqa: B018
 
@@ -31,7 +31,7 @@ def test_public_names_resolve() -> None:
     ("module", "heavy"),
     [
         ("tplib.explorer.scenario", ["torch"]),
-        ("tplib.explorer.explore", ["torch"]),
+        ("tplib.explorer.exploration", ["torch"]),
         ("tplib.explorer", ["torch", "matplotlib", "seaborn", "ipywidgets"]),
     ],
 )

@@ -9,7 +9,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from tests.explorer_cases import SMALL, write_profile
-from tplib.explorer.explore import explore
+from tplib.explorer.exploration import explore
 from tplib.explorer.plot import figure
 from tplib.explorer.scenario import scenario_for_profile, scenario_for_setting
 
@@ -33,7 +33,7 @@ def test_figure_without_a_simulation_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Too big to simulate: the timeline's panel shows the note instead.
-    monkeypatch.setattr(importlib.import_module("tplib.explorer.explore"), "MAX_SIM_ACTIONS", 0)
+    monkeypatch.setattr(importlib.import_module("tplib.explorer.exploration"), "MAX_SIM_ACTIONS", 0)
     ex = explore(scenario_for_profile(write_profile(tmp_path)))
     assert ex.sim is None and ex.gpipe is None
     timeline = figure(ex).axes[2]

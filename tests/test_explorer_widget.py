@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.explorer_cases import SMALL, write_profile
-from tplib.explorer.explore import Exploration
+from tplib.explorer.exploration import Exploration
 from tplib.explorer.scenario import scenario_for_setting
 from tplib.explorer.widget import Explorer, build_explorer
 

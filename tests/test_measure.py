@@ -183,9 +183,15 @@ def _check_measured(df: pd.DataFrame, suffixes: tuple[str, ...]) -> None:
 @pytest.mark.usefixtures("quiet")
 def test_main_results_measured(link: Link, pool: LocalPool) -> None:
     result = run_table(
-        "main_results", "measure", batches=[1, 2], seq_len=64, link=link, pool=pool,
-        profiling={**FAST, "granularity": 16, "batch_slice_sizes": (1, 2)}, **TINY,
-    )  # fmt: skip
+        "main_results",
+        "measure",
+        batches=[1, 2],
+        seq_len=64,
+        link=link,
+        pool=pool,
+        profiling={**FAST, "granularity": 16, "batch_slice_sizes": (1, 2)},
+        **TINY,
+    )
     plt.close(result.figure)
     df = result.df
     _check_measured(df, ("_gpipe", "_terapipe"))
@@ -197,9 +203,15 @@ def test_main_results_measured(link: Link, pool: LocalPool) -> None:
 @pytest.mark.usefixtures("quiet")
 def test_dp_ablation_measured(link: Link, pool: LocalPool) -> None:
     result = run_table(
-        "dp_ablation", "measure", slices=[1, 4], seq_len=64, link=link, pool=pool,
-        profiling={**FAST, "granularity": 8}, **TINY,
-    )  # fmt: skip
+        "dp_ablation",
+        "measure",
+        slices=[1, 4],
+        seq_len=64,
+        link=link,
+        pool=pool,
+        profiling={**FAST, "granularity": 8},
+        **TINY,
+    )
     plt.close(result.figure)
     df = result.df
     _check_measured(df, ("",))
@@ -212,9 +224,16 @@ def test_dp_ablation_measured(link: Link, pool: LocalPool) -> None:
 @pytest.mark.usefixtures("quiet")
 def test_seqlen_sweep_measured(link: Link, pool: LocalPool) -> None:
     result = run_table(
-        "seqlen_sweep", "measure", seq_lens=[32, 64], batches=[2, 1], n_grid=4, link=link,
-        pool=pool, profiling=FAST, **TINY,
-    )  # fmt: skip
+        "seqlen_sweep",
+        "measure",
+        seq_lens=[32, 64],
+        batches=[2, 1],
+        n_grid=4,
+        link=link,
+        pool=pool,
+        profiling=FAST,
+        **TINY,
+    )
     plt.close(result.figure)
     _check_measured(result.df, ("_gpipe", "_terapipe"))
     assert list(zip(result.df.seq_len, result.df.pipeline_batch, strict=True)) == [(32, 2), (64, 1)]

@@ -236,12 +236,17 @@ def _runtime_trace() -> pd.DataFrame:
         for stage in (0, 1):
             s = base + 0.2 * stage
             steps = [
-                ("F", 0, 0, s + 0.0, s + 0.1), ("SA", 0, 0, s + 0.1, s + 0.12),
-                ("F", 0, 1, s + 0.12, s + 0.22), ("SA", 0, 1, s + 0.22, s + 0.24),
-                ("B", 0, 1, s + 1.0, s + 1.2), ("SG", 0, 1, s + 1.2, s + 1.22),
-                ("B", 0, 0, s + 1.22, s + 1.42), ("SG", 0, 0, s + 1.42, s + 1.44),
-                ("AR", -1, -1, s + 1.5, s + 1.6), ("OPT", -1, -1, s + 1.6, s + 1.65),
-            ]  # fmt: skip
+                ("F", 0, 0, s + 0.0, s + 0.1),
+                ("SA", 0, 0, s + 0.1, s + 0.12),
+                ("F", 0, 1, s + 0.12, s + 0.22),
+                ("SA", 0, 1, s + 0.22, s + 0.24),
+                ("B", 0, 1, s + 1.0, s + 1.2),
+                ("SG", 0, 1, s + 1.2, s + 1.22),
+                ("B", 0, 0, s + 1.22, s + 1.42),
+                ("SG", 0, 0, s + 1.42, s + 1.44),
+                ("AR", -1, -1, s + 1.5, s + 1.6),
+                ("OPT", -1, -1, s + 1.6, s + 1.65),
+            ]
             rows += [(stage, stage, 0, it, *step) for step in steps]
     columns = ["rank", "stage", "replica", "iteration", "kind", "b", "t", "start", "end"]
     return pd.DataFrame.from_records(rows, columns=columns)

@@ -46,10 +46,22 @@ def test_torchrun_entry_point_writes_results(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "result.pt"
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "tplib.runtime.torchrun",
-         "--config", str(tmp_path / "run.json"), "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tplib.runtime.torchrun",
+            "--config",
+            str(tmp_path / "run.json"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out, weights_only=False)
     assert [r.stage for r in saved["ranks"]] == [0, 1]

@@ -50,8 +50,16 @@ def _fresh_copy(dest: Path) -> Path:
 
 def _command(copy: Path) -> list[str]:
     # `python -m` puts the working directory first on sys.path: the copy's own tplib runs.
-    return [sys.executable, "-m", "tplib", "reproduce", "--mode", "simulate",
-            "--params", json.dumps(SMALL)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tplib",
+        "reproduce",
+        "--mode",
+        "simulate",
+        "--params",
+        json.dumps(SMALL),
+    ]
 
 
 def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) -> None:
@@ -61,9 +69,12 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     committed = first.read_bytes()
     # Start a run and kill it (and its kernel) once its first notebook has finished.
     proc = subprocess.Popen(
-        _command(copy), cwd=copy, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        _command(copy),
+        cwd=copy,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -173,10 +184,14 @@ def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks)
 
 def test_default_jobs_cover_the_tables_of_each_mode() -> None:
     assert [(j.table, j.mode) for j in default_jobs("all")] == [
-        ("main_results", "simulate"), ("dp_ablation", "simulate"), ("seqlen_sweep", "simulate"),
-        ("main_results", "measure"), ("dp_ablation", "measure"), ("seqlen_sweep", "measure"),
+        ("main_results", "simulate"),
+        ("dp_ablation", "simulate"),
+        ("seqlen_sweep", "simulate"),
+        ("main_results", "measure"),
+        ("dp_ablation", "measure"),
+        ("seqlen_sweep", "measure"),
         ("simulator_validation", "measure"),
-    ]  # fmt: skip
+    ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
     assert per_mode[0].params == {"settings": [9]} and per_mode[3].params == {}
     with pytest.raises(ValueError, match=r"mode='fast'"):
@@ -190,9 +205,14 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
 
 def _main_rows() -> pd.DataFrame:
     return pd.DataFrame(
-        {"setting": [9, 10], "model": ["GPT3-175B"] * 2, "speedup": [6.5, 5.4],
-         "paper_speedup": [6.745, 5.019], "plan_seconds": [0.1, 0.2]}
-    )  # fmt: skip
+        {
+            "setting": [9, 10],
+            "model": ["GPT3-175B"] * 2,
+            "speedup": [6.5, 5.4],
+            "paper_speedup": [6.745, 5.019],
+            "plan_seconds": [0.1, 0.2],
+        }
+    )
 
 
 def test_summary_states_equality_timing_columns_aside() -> None:
@@ -212,6 +232,28 @@ def test_summary_shows_the_rows_that_differ() -> None:
     assert "| 10 | GPT3-175B | 5.019 | 5.400 | +7.6% | 5.000 | +8.0% |" in text
     notes, rows = equal_to_reference(ours, reference.drop(columns=["model"]), ("setting",))
     assert notes == ["columns differ: not reproduced [], new ['model']"] and len(rows) == 1
+
+
+def test_summary_of_a_reference_from_before_a_rename_shows_the_table_alone() -> None:
+    ours = _main_rows()
+    text = section(get_table("main_results"), "simulate", ours, ours.drop(columns=["setting"]))
+    assert "The committed reference has no column ['setting']." in text
+    assert "| 9 | GPT3-175B | 6.745 | 6.500 | -3.6% | — | — |" in text
+
+
+def test_a_failed_summary_is_written_by_the_next_run(
+    tmp_path: Path, fake: FakeNotebooks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> str:
+        raise RuntimeError("summary failed")
+
+    monkeypatch.setattr(rp, "_summary", broken)
+    with pytest.raises(RuntimeError, match="summary failed"):
+        reproduce("simulate", root=tmp_path, progress=False)
+    monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
+    report = reproduce("simulate", root=tmp_path, progress=False)
+    assert report.resumed and len(report.skipped) == 3 and not report.ran
+    assert (tmp_path / "SUMMARY.md").read_text() == "summary\n"
 
 
 def test_summary_of_a_measured_table_has_no_paper_column() -> None:

@@ -37,8 +37,11 @@ class AttentionLikeCost:
 
 
 def test_fill_drain_latency_on_unit_costs() -> None:
-    for n_stages, plan in [(4, Plan.uniform(3, 64, n_token_slices=4)), (1, Plan.gpipe(5, 8)),
-                           (7, Plan.uniform(2, 32, n_token_slices=8))]:  # fmt: skip
+    for n_stages, plan in [
+        (4, Plan.uniform(3, 64, n_token_slices=4)),
+        (1, Plan.gpipe(5, 8)),
+        (7, Plan.uniform(2, 32, n_token_slices=8)),
+    ]:
         name = "terapipe" if plan.n_token_slices(0) > 1 else "gpipe"
         r = simulate(make_schedule(name, n_stages, plan), ConstantCosts(t_f=1.0, t_b=2.0))
         assert r.latency == pytest.approx((plan.n_units + n_stages - 1) * 3.0)
@@ -74,8 +77,10 @@ def test_terapipe_equals_the_planners_latency_without_communication(
 @settings(max_examples=25)
 @given(
     st.lists(st.integers(1, 6), min_size=1, max_size=5),  # token slices (grid units)
-    st.integers(1, 3), st.integers(1, 6), st.floats(0.05, 0.95),
-)  # fmt: skip
+    st.integers(1, 3),
+    st.integers(1, 6),
+    st.floats(0.05, 0.95),
+)
 def test_planner_relationship_holds_for_random_plans(
     slices: list[int], n_batch: int, n_stages: int, fwd_fraction: float
 ) -> None:
@@ -189,13 +194,18 @@ def test_1f1b_simulates_with_a_slice_model() -> None:
 
 
 def test_plot_timeline_draws_simulated_and_measured_traces() -> None:
-    r = simulate_plan("terapipe", 3, Plan.uniform(2, 16, n_token_slices=2),
-                      ConstantCosts(1.0, 2.0, 0.1, t_allreduce=1.0, t_optimizer=0.5))  # fmt: skip
+    r = simulate_plan(
+        "terapipe",
+        3,
+        Plan.uniform(2, 16, n_token_slices=2),
+        ConstantCosts(1.0, 2.0, 0.1, t_allreduce=1.0, t_optimizer=0.5),
+    )
     ax = plot_timeline(r.timeline, title="simulated")
     assert len(ax.get_yticks()) == 3 and ax.get_title() == "simulated"
     # A "measured" trace: two replicas, ranks differ from stages.
-    measured = pd.concat([r.timeline.assign(replica=i, rank=r.timeline.stage + 3 * i)
-                          for i in range(2)])  # fmt: skip
+    measured = pd.concat(
+        [r.timeline.assign(replica=i, rank=r.timeline.stage + 3 * i) for i in range(2)]
+    )
     measured["iteration"] = 3
     ax = plot_timeline(measured, replica=1, iteration=3, time_unit=1e-3, stages=[0, 2])
     assert "ms" in ax.get_xlabel() and len(ax.get_yticks()) == 2

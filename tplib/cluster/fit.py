@@ -10,6 +10,7 @@ and checks that the stored values are the fit's.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import numpy as np
 from tplib.cluster.calibration import CALIBRATION, FIT_STAGES, Calibration
 from tplib.cluster.cost import ClusterCostModel
 from tplib.paper import GPIPE, TABLE2, PaperResult, setting
+from tplib.plan import Plan
 
 if TYPE_CHECKING:
     from tplib.schedule import Schedule
@@ -32,23 +34,27 @@ _BOUNDS = {
     "allreduce_efficiency": (0.01, 1.0),
     "collective_latency": (1e-6, 1e-2),
 }
-# Schedules do not depend on the calibration: built once per (K, B, L), not per step.
-_GPIPE_SCHEDULES: dict[tuple[int, int, int], Schedule] = {}
+
+
+@functools.cache
+def _gpipe_schedule(n_stages: int, pipeline_batch: int, seq_len: int) -> Schedule:
+    """GPipe over microbatches of one sequence. Schedules do not depend on the
+    calibration, so the fit builds each once, not once per step."""
+    # Loaded when fitting only: pricing a layout needs neither schedules nor the simulator.
+    from tplib.schedule import make_schedule
+
+    return make_schedule("gpipe", n_stages, Plan.gpipe(pipeline_batch, seq_len))
 
 
 def _gpipe_latencies(cal: Calibration, rows: list[PaperResult]) -> np.ndarray:
     """Simulated GPipe latency of each row's setting under ``cal``."""
-    # Loaded when fitting only: pricing a layout needs neither schedules nor the simulator.
-    from tplib.schedule import make_schedule
     from tplib.simulate import simulate
 
     out = []
     for r in rows:
         s = setting(r.setting, r.seq_len)
-        key = (s.n_stages, s.pipeline_batch, s.seq_len)
-        if key not in _GPIPE_SCHEDULES:
-            _GPIPE_SCHEDULES[key] = make_schedule("gpipe", s.n_stages, s.gpipe_plan())
-        out.append(simulate(_GPIPE_SCHEDULES[key], ClusterCostModel.for_setting(s, cal)).latency)
+        schedule = _gpipe_schedule(s.n_stages, s.pipeline_batch, s.seq_len)
+        out.append(simulate(schedule, ClusterCostModel.for_setting(s, cal)).latency)
     return np.array(out)
 
 

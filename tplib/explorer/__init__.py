@@ -9,7 +9,7 @@ One mechanism per module:
                                             :func:`scenario_for_setting`,
                                             :func:`scenario_for_profile`,
                                             :func:`make_scenario`
-:mod:`~tplib.explorer.explore`              :func:`explore` plans a scenario and returns an
+:mod:`~tplib.explorer.exploration`          :func:`explore` plans a scenario and returns an
                                             :class:`Exploration`: the DP plan, every uniform
                                             slicing, GPipe, the simulated timelines and the
                                             memory per GPU
@@ -29,9 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Here the function ``explore`` shadows its module; reach the module's other names with
-# ``from tplib.explorer.explore import ...``.
-from tplib.explorer.explore import Exploration, explore
+from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.scenario import (
     CLUSTER,
     METHODS,

@@ -1,4 +1,4 @@
-"""Draw an :class:`~tplib.explorer.explore.Exploration` as one figure of three panels.
+"""Draw an :class:`~tplib.explorer.exploration.Exploration` as one figure of three panels.
 
 (a) the predicted latency of every uniform slicing against #slices, the DP plan as a
 line; (b) the DP plan's slice lengths, mostly longer first: a later slice attends to
@@ -15,7 +15,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from tplib.explorer.explore import Exploration
+from tplib.explorer.exploration import Exploration
 from tplib.plan import Plan
 from tplib.plots import plot_timeline
 

@@ -3,13 +3,14 @@
 Pick a paper setting (its fields fill in) or "custom", the cost source and the
 planner's knobs; the output recomputes on every change. The widget holds no logic of
 its own: it reads a :class:`~tplib.explorer.scenario.Scenario` from its fields, calls
-:func:`~tplib.explorer.explore.explore` and :func:`~tplib.explorer.plot.figure`, and
+:func:`~tplib.explorer.exploration.explore` and :func:`~tplib.explorer.plot.figure`, and
 shows their results, or the scenario's error message when the fields describe none.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import os
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from tplib.config import MODELS
-from tplib.explorer.explore import Exploration, explore
+from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.plot import figure
 from tplib.explorer.scenario import (
     CLUSTER,
@@ -102,7 +103,8 @@ class Explorer(ipw.VBox):
         self.runs = 0
         self._quiet = False  # see _quietly
         # Keyed by the profile file's mtime too: a re-measured profile is a new scenario.
-        self._cache: dict[tuple[Scenario, int | None], Exploration] = {}
+        # Revisiting a scenario is instant; the oldest go first: timelines are megabytes.
+        self._explore = functools.lru_cache(maxsize=CACHE_SIZE)(_explore_file_version)
         c = self.controls
         super().__init__(
             [
@@ -234,12 +236,7 @@ class Explorer(ipw.VBox):
         self.runs += 1
         try:
             sc = self.scenario()
-            key = (sc, None if sc.uses_cluster else os.stat(sc.cost).st_mtime_ns)
-            if key not in self._cache:  # revisiting a scenario is instant
-                if len(self._cache) >= CACHE_SIZE:  # timelines are megabytes each
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[key] = explore(sc)
-            ex = self._cache[key]
+            ex = self._explore(sc, None if sc.uses_cluster else os.stat(sc.cost).st_mtime_ns)
         except (ValueError, OSError) as exc:
             self.exploration, self.error = None, str(exc)
             self.output.outputs = (_stream(f"cannot plan this: {exc}\n"),)
@@ -252,6 +249,12 @@ class Explorer(ipw.VBox):
         # `with self.output:`, needs no output capture: nothing flickers, it works from any
         # thread, and headless runs (papermill, nbclient) cannot lose the capture messages.
         self.output.outputs = tuple(outputs)
+
+
+def _explore_file_version(sc: Scenario, profile_mtime_ns: int | None) -> Exploration:
+    """:func:`explore`, keyed also by the profile file's modification time, so an edited
+    profile is explored anew."""
+    return explore(sc)
 
 
 def _stream(text: str) -> dict[str, Any]:

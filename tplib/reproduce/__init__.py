@@ -166,7 +166,9 @@ def reproduce(
             manifest.mark_done(job, time.perf_counter() - start)
             bar.write(f"ran  {label} in {time.perf_counter() - start:.0f} s -> {job.csv}")
             ran.append(job)
-    manifest.finish()
+    # The run finishes with its summary: should that fail, running again resumes, skips
+    # every notebook and writes the summary.
     text = _summary(jobs, base, code, manifest.started, time.perf_counter() - t0)
     path = write_text(base / SUMMARY, text)
+    manifest.finish()
     return Report(ran, skipped, resumed, text, path)

@@ -77,6 +77,12 @@ def section(table: Table, mode: Mode, df: pd.DataFrame, reference: pd.DataFrame 
     """The summary of one produced table (see the module docstring), as markdown."""
     cmp = table.modes[mode].compare
     lines = [f"### {table.title} ({table.paper}), {mode} mode", ""]
+    unmatched = None
+    if reference is not None:
+        missing = [c for c in (*cmp.key, cmp.value) if c not in reference.columns]
+        if missing:
+            # An older reference, from before a column was renamed: show the table alone.
+            unmatched, reference = f"The committed reference has no column {missing}.", None
     head = [*cmp.key, *cmp.label]
     cols = [*head, *(["paper"] if cmp.paper else []), "reproduced"]
     cols += ["Δ paper"] if cmp.paper else []
@@ -102,7 +108,7 @@ def section(table: Table, mode: Mode, df: pd.DataFrame, reference: pd.DataFrame 
         f"Compared: `{cmp.value}`" + (f" against the paper's `{cmp.paper}`." if cmp.paper else ".")
     )
     if reference is None:
-        lines.append("No committed reference to compare with.")
+        lines.append(unmatched or "No committed reference to compare with.")
     elif mode == "simulate":
         notes, rows = equal_to_reference(df, reference, cmp.key)
         left_out = len(reference) - sum(_key(r, cmp.key) in ref_rows for _, r in df.iterrows())

@@ -1,4 +1,4 @@
-"""Tests for tplib.explorer.explore: a paper setting and a profile, planned and set beside
+"""Tests for tplib.explorer.exploration: a paper setting and a profile, planned and set beside
 the uniform slicings and GPipe."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.explorer_cases import SMALL, write_profile
-from tplib.explorer.explore import Exploration, explore
+from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.scenario import Scenario, scenario_for_profile, scenario_for_setting
 from tplib.perfmodel import Profile
 from tplib.planner import pipeline_latency
