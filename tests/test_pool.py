@@ -68,3 +68,12 @@ def test_torchrun_entry_point_writes_results(tmp_path: Path) -> None:
     assert len(saved["ranks"][1].losses) == 2
     assert saved["config"]["slicing"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.pt", "run.json"]
+
+
+def test_a_pool_is_ready_once_every_process_joined_the_group() -> None:
+    with LocalPool(2, timeout_s=60) as pool:
+        pool.wait_ready()
+        assert pool._ready == {0, 1}
+        pool.wait_ready()  # idempotent
+        result = pool.run(RunConfig(n_stages=2, batch=1, seq_len=16, timeout_s=60))
+        assert len(result.losses) == 1

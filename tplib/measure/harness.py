@@ -145,6 +145,8 @@ class Bench:
         if self.pool is None:
             # Started after profiling: its processes' start-up would disturb the timings.
             self.pool = LocalPool(self.n_stages)
+        # Started and idle before the other jobs' load is sampled, or it would count ours.
+        self.pool.wait_ready()
         run = RunConfig(
             model=self.model,
             model_overrides=self.overrides,

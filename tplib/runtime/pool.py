@@ -108,6 +108,7 @@ def _pool_worker(
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
         return
+    results.put(("ready", rank, None))
     while True:
         job = jobs.get()
         if job is None:
@@ -145,6 +146,33 @@ class LocalPool:
         for p in self._procs:
             p.start()
         self._closed = False
+        self._ready: set[int] = set()
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every process has started and joined the process group: from then
+        on the pool's processes only wait for work (they use no CPU)."""
+        deadline = time.monotonic() + (timeout_s or 120.0 + self.timeout_s)
+        while len(self._ready) < self.world_size:
+            status, rank, payload = self._next(deadline, "start")
+            if status != "ready":
+                self.close(force=True)
+                raise WorkerError(f"rank {rank} failed to start:\n{payload}")
+            self._ready.add(rank)
+
+    def _next(self, deadline: float, what: str) -> tuple[str, int, Any]:
+        """The next message from a worker; WorkerError if one died or time ran out."""
+        while True:
+            try:
+                message: tuple[str, int, Any] = self._results.get(timeout=0.5)
+                return message
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    self.close(force=True)
+                    raise WorkerError(f"worker processes exited without a result: {dead}") from None
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    raise WorkerError(f"the pool's processes did not {what} in time") from None
 
     def run(self, run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
         """Run ``run`` on the pool's processes and gather every rank's result."""
@@ -157,25 +185,15 @@ class LocalPool:
             )
         if (run.device == "cuda") != (self.backend == "nccl"):
             raise ValueError(f"device={run.device!r} does not match backend={self.backend!r}")
+        self.wait_ready()
         for q in self._jobs:
             q.put((run, hooks))
         ranks: dict[int, RankResult] = {}
         # A safety net only: every receive already times out on its own after timeout_s.
-        # The margin covers process start-up, which a fresh pool is still doing.
-        budget = 120.0 + max(run.timeout_s, self.timeout_s) * (run.steps + run.warmup + 2)
+        budget = 60.0 + max(run.timeout_s, self.timeout_s) * (run.steps + run.warmup + 2)
         deadline = time.monotonic() + budget
         while len(ranks) < self.world_size:
-            try:
-                status, rank, payload = self._results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self.close(force=True)
-                    raise WorkerError(f"worker processes exited without a result: {dead}") from None
-                if time.monotonic() > deadline:
-                    self.close(force=True)
-                    raise WorkerError(f"run did not finish within {budget:.0f} s") from None
-                continue
+            status, rank, payload = self._next(deadline, f"finish the run within {budget:.0f} s")
             if status == "error":
                 self.close(force=True)
                 stage, replica = rank % run.n_stages, rank // run.n_stages

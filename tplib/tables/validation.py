@@ -110,7 +110,7 @@ def _findings(df: pd.DataFrame) -> str:
 
 TABLE = Table(
     "simulator_validation",
-    "(method)",
+    "the method behind measure mode",
     "The simulator against measured iteration latency on this machine",
     {
         "measure": TableMode(
