@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -173,3 +175,33 @@ def test_plan_needs_exactly_one_cost_source(capsys: pytest.CaptureFixture[str]) 
     assert "exactly one of --profile FILE or --setting N" in capsys.readouterr().err
     assert main(["plan", "--setting", "11"]) == 2
     assert "setting (11) is not in Table 1" in capsys.readouterr().err
+
+
+def test_numpy_only_commands_do_not_import_torch() -> None:
+    """Planning and simulating a paper setting need numpy, not torch (2-3 s to import)."""
+    code = """
+import sys
+import tplib
+assert "torch" not in sys.modules, "import tplib loaded torch"
+from tplib.cli import main
+assert main(["plan", "--setting", "10", "--json"]) == 0
+assert main(["simulate", "--setting", "10", "--json"]) == 0
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_table_command_prints_and_saves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["table", "seqlen_sweep", "--params", '{"seq_lens": [4096]}', "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4096" in out and "speedup within ±20% of the paper" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "seqlen_sweep-simulate.csv",
+        "seqlen_sweep-simulate.png",
+    ]
+    assert main(["table", "seqlen_sweep", "--params", '{"settings": [9]}']) == 2
+    assert "has no parameter settings" in capsys.readouterr().err
+    assert main(["table", "seqlen_sweep", "--params", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err

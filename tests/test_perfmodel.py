@@ -243,11 +243,9 @@ def test_planner_runs_on_a_loaded_profile(tmp_path: Path) -> None:
 
 def test_planning_from_a_profile_does_not_import_torch() -> None:
     """The profile, its builder and the planner are torch-free; the timer's names load on
-    first use. (tplib/__init__.py is bypassed: it imports the model.)"""
-    code = f"""
-import sys, types
-pkg = types.ModuleType("tplib"); pkg.__path__ = [{str(ROOT / "tplib")!r}]
-sys.modules["tplib"] = pkg
+    first use."""
+    code = """
+import sys
 import tplib.perfmodel, tplib.planner
 assert "torch" not in sys.modules, "importing tplib.perfmodel loaded torch"
 tplib.perfmodel.StageTimer
