@@ -23,7 +23,6 @@ finish the backward within a few slices of each other): they SHARE the node's 25
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,9 +35,7 @@ from tplib.config import GPTConfig, get_config, n_params_per_layer
 from tplib.costs import memo, ring_allreduce, unit_shape
 from tplib.paper import Setting
 from tplib.plan import Plan
-
-if TYPE_CHECKING:
-    from tplib.schedule import Action
+from tplib.schedule import SENDS, Action, Kind, link_of
 
 __all__ = ["ClusterCostModel"]
 
@@ -220,13 +217,13 @@ class ClusterCostModel:
         """A stage's forward or backward of a unit, with the #Op broadcast of the
         received input (forward) or gradient (backward)."""
         size, length, context = unit_shape(plan, action)
-        receives = stage > 0 if action.kind == "F" else stage < self.n_stages - 1
+        receives = stage > 0 if action.kind is Kind.F else stage < self.n_stages - 1
         return self._compute(action.kind, receives, size, length, context)
 
     @memo
-    def _compute(self, kind: str, receives: bool, size: int, length: int, context: int) -> float:
+    def _compute(self, kind: Kind, receives: bool, size: int, length: int, context: int) -> float:
         fwd, bwd = self.stage_times(size, np.array([length]), np.array([context]))
-        t = float((fwd if kind == "F" else bwd)[0])
+        t = float((fwd if kind is Kind.F else bwd)[0])
         if receives:
             nbytes = np.array([FP16 * size * length * self.cfg.hidden])
             t += float(self._op_broadcast(nbytes)[0])
@@ -235,9 +232,8 @@ class ClusterCostModel:
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         """A send's time on the link; a receive's own time on the receiving stage."""
         size, length, _ = unit_shape(plan, action)
-        src = {"SA": stage, "RA": stage - 1, "SG": stage, "RG": stage + 1}[action.kind]
-        dst = {"SA": stage + 1, "RA": stage, "SG": stage - 1, "RG": stage}[action.kind]
-        return self._transfer(action.kind in ("SA", "SG"), src, dst, size, length)
+        _, src, dst = link_of(action)
+        return self._transfer(action.kind in SENDS, src, dst, size, length)
 
     @memo
     def _transfer(self, send: bool, src: int, dst: int, size: int, length: int) -> float:

@@ -28,7 +28,7 @@ from tplib.schedule.actions import (
     ScheduleError,
     parse_kind,
 )
-from tplib.schedule.engine import TimedAction
+from tplib.schedule.engine import TimedAction, link_of
 from tplib.schedule.generators import (
     SCHEDULES,
     add_communication,
@@ -59,6 +59,7 @@ __all__ = [
     "add_update",
     "format_grid",
     "gpipe",
+    "link_of",
     "make_schedule",
     "one_f_one_b",
     "parse_kind",
