@@ -14,13 +14,13 @@ from collections.abc import Iterable, Sequence
 from tplib.schedule.actions import COMPUTE, Action, Kind, Schedule, ScheduleError
 from tplib.schedule.engine import run
 
-__all__ = ["GRID_STEPS", "format_grid", "schedule_error", "unit_cost"]
+__all__ = ["GRID_STEPS", "SERVES", "format_grid", "schedule_error", "unit_cost"]
 
 GRID_STEPS = 24  # error messages show at most this many steps around the faulty action
 
 # Which compute action a send or receive serves: the grid draws compute only, so a faulty
 # send or receive is drawn on the forward or backward it belongs to.
-_SERVES = {Kind.SA: Kind.F, Kind.RA: Kind.F, Kind.SG: Kind.B, Kind.RG: Kind.B}
+SERVES = {Kind.SA: Kind.F, Kind.RA: Kind.F, Kind.SG: Kind.B, Kind.RG: Kind.B}
 
 
 def unit_cost(a: Action) -> float:
@@ -33,7 +33,7 @@ def _anchor(acts: Sequence[Action], i: int) -> int | None:
     a = acts[i]
     if a.kind in COMPUTE:
         return i
-    want = _SERVES.get(a.kind)
+    want = SERVES.get(a.kind)
     if want is not None:
         for j, c in enumerate(acts):
             if c.kind == want and c.unit == a.unit:

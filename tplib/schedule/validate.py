@@ -19,11 +19,9 @@ from collections.abc import Callable, Iterator
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import COMPUTE, SENDS, UPDATE, Action, Kind, Schedule
 from tplib.schedule.engine import Link, TimedAction, link_of, run
-from tplib.schedule.grid import schedule_error, unit_cost
+from tplib.schedule.grid import SERVES, schedule_error, unit_cost
 
 __all__ = ["replay", "validate"]
-
-_SERVES = {Kind.SA: Kind.F, Kind.RA: Kind.F, Kind.SG: Kind.B, Kind.RG: Kind.B}
 
 
 def replay(schedule: Schedule, duration: Callable[[Action], float]) -> list[TimedAction]:
@@ -95,7 +93,7 @@ def _check_counts(schedule: Schedule) -> None:
                     related = [i for i, a in enumerate(acts) if a.unit == u]
                     want = Action(kind, k, u.b, u.t)
                     # Draw the mark on the compute action that lacks its send/receive.
-                    serves = _SERVES.get(kind, kind)
+                    serves = SERVES.get(kind, kind)
                     anchor = [i for i in related if acts[i].kind == serves] or related
                     raise schedule_error(
                         schedule,
