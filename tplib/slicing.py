@@ -24,7 +24,7 @@ from tplib.context import StageContext
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
 
-__all__ = ["SliceExecutor", "full_batch_loss", "run_pipeline_local"]
+__all__ = ["SliceExecutor", "full_batch_loss", "run_pipeline_local", "unit_rows"]
 
 
 @dataclass
@@ -128,7 +128,7 @@ class SliceExecutor:
         return sorted(self._saved)
 
 
-def _unit_rows(plan: Plan, unit: Unit, tensor: Tensor) -> Tensor:
+def unit_rows(plan: Plan, unit: Unit, tensor: Tensor) -> Tensor:
     """The part of a (batch, seq_len, ...) tensor that belongs to ``unit``."""
     first = plan.batch_offset(unit.b)
     lo = plan.token_offset(unit.b, unit.t)
@@ -170,28 +170,24 @@ def run_pipeline_local(
     ]
     outputs: list[Tensor] = []
     for unit in plan.units():
-        h = _unit_rows(plan, unit, x)
+        h = unit_rows(plan, unit, x)
         for ex in executors:
-            y = (
-                _unit_rows(plan, unit, targets)
-                if ex.stage.is_last and targets is not None
-                else None
-            )
+            y = unit_rows(plan, unit, targets) if ex.stage.is_last and targets is not None else None
             h = ex.forward(unit, h, y)
         outputs.append(h)
     for unit in reversed(list(plan.units())):
-        grad = None if grad_output is None else _unit_rows(plan, unit, grad_output)
+        grad = None if grad_output is None else unit_rows(plan, unit, grad_output)
         for ex in reversed(executors):
             grad = ex.backward(unit, grad)
         if x.requires_grad and grad is not None:
             if x.grad is None:
                 x.grad = torch.zeros_like(x)
-            _unit_rows(plan, unit, x.grad).add_(grad)
+            unit_rows(plan, unit, x.grad).add_(grad)
     if ends_model:
         return torch.stack(outputs).sum()
     out = torch.empty(*x.shape[:2], outputs[0].shape[-1], dtype=outputs[0].dtype)
     for unit, h in zip(plan.units(), outputs, strict=True):
-        _unit_rows(plan, unit, out).copy_(h)
+        unit_rows(plan, unit, out).copy_(h)
     return out
 
 

@@ -34,7 +34,7 @@ from tplib.model import GPTStage, build_model
 from tplib.plan import Unit
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.schedule import Action, Kind
-from tplib.slicing import SliceExecutor
+from tplib.slicing import SliceExecutor, unit_rows
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]
 
@@ -91,7 +91,7 @@ class _Iteration:
     """What one iteration's actions hand each other."""
 
     index: int
-    tokens: Tensor
+    tokens: Tensor  # this replica's sequences
     targets: Tensor
     loss: Tensor  # the last stage's summed scaled loss, on the device: no sync per unit
     received: dict[Action, Tensor] = field(default_factory=dict)  # keyed by the consumer
@@ -161,8 +161,8 @@ class Worker:
         unit = action.unit
         x = it.received.pop(action, None)
         if x is None:
-            x = self._unit_rows(unit, it.tokens)  # the first stage reads token ids
-        y = self._unit_rows(unit, it.targets) if self.stage.is_last else None
+            x = unit_rows(self.plan, unit, it.tokens).to(self.device)  # token ids
+        y = unit_rows(self.plan, unit, it.targets).to(self.device) if self.stage.is_last else None
         with self.autocast:
             out = self.executor.forward(unit, x, y)
         if self.stage.is_last:
@@ -234,12 +234,6 @@ class Worker:
 
     # ---- one iteration -------------------------------------------------------------
 
-    def _unit_rows(self, unit: Unit, tensor: Tensor) -> Tensor:
-        first = self.replica * self.run.pipeline_batch + self.plan.batch_offset(unit.b)
-        lo = self.plan.token_offset(unit.b, unit.t)
-        size, length = self.plan.batch_slices[unit.b], self.plan.token_slices[unit.b][unit.t]
-        return tensor[first : first + size, lo : lo + length].to(self.device)
-
     def _wait_sends(self, pending: list[tuple[dist.Work, Tensor, Action]]) -> None:
         for work, _, action in pending:
             try:
@@ -256,8 +250,10 @@ class Worker:
         tokens, targets = synthetic_batch(
             run.cfg, run.batch, run.seq_len, seed=run.data_seed + index
         )
+        # This replica's share of the global batch; the plan cuts it into units.
+        mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        it = _Iteration(index, tokens, targets, loss)
+        it = _Iteration(index, tokens[mine], targets[mine], loss)
         dist.barrier()
         t0 = time.perf_counter()
         self._maybe_fault()
