@@ -72,3 +72,11 @@ def test_bad_config_values_are_named() -> None:
         GPTConfig("x", n_layer=1, hidden=30, n_head=4)
     with pytest.raises(ValueError, match=r"n_layer=0"):
         GPTConfig("x", n_layer=0, hidden=32, n_head=4)
+
+
+def test_a_named_config_with_overrides() -> None:
+    cfg = get_config("small", (("hidden", 128), ("n_head", 2)))
+    assert (cfg.name, cfg.hidden, cfg.n_head, cfg.n_layer) == ("small", 128, 2, 8)
+    assert get_config("small", ()) is get_config("small")
+    with pytest.raises(ValueError, match="not divisible by n_head=3"):
+        get_config("small", (("n_head", 3),))

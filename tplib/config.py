@@ -7,6 +7,7 @@ alone, so the 175B model can be sized without allocating anything.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 __all__ = ["MODELS", "GPTConfig", "get_config", "n_params", "n_params_per_layer", "stage_params"]
@@ -71,13 +72,16 @@ MODELS: dict[str, GPTConfig] = {
 }
 
 
-def get_config(name: str) -> GPTConfig:
-    """Look a named config up, ignoring case."""
+def get_config(name: str, overrides: Iterable[tuple[str, object]] = ()) -> GPTConfig:
+    """Look a named config up, ignoring case, with some fields changed by ``overrides``
+    ((field, value) pairs, e.g. a smaller ``hidden`` for a CPU-scale table)."""
     by_lower = {k.lower(): v for k, v in MODELS.items()}
     try:
-        return by_lower[name.lower()]
+        cfg = by_lower[name.lower()]
     except KeyError:
         raise ValueError(f"unknown model {name!r}: known models are {sorted(MODELS)}") from None
+    changes = dict(overrides)
+    return cfg.with_(**changes) if changes else cfg
 
 
 def n_params_per_layer(cfg: GPTConfig) -> int:

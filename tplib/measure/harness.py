@@ -110,8 +110,7 @@ class Bench:
 
     @property
     def cfg(self) -> GPTConfig:
-        cfg = get_config(self.model)
-        return cfg.with_(**dict(self.overrides)) if self.overrides else cfg
+        return get_config(self.model, self.overrides)
 
     def profile(self, seq_len: int, granularity: int) -> list[Profile]:
         """Every stage's profile at ``seq_len`` (measured once per length)."""

@@ -90,9 +90,7 @@ class RunConfig:
             raise ValueError(f"RunConfig.device={self.device!r}: choose 'cpu' or 'cuda'")
         if self.bf16 and self.device == "cpu":
             raise ValueError("bf16=True needs device='cuda': autocast to bfloat16 is a GPU path")
-        cfg = get_config(self.model)
-        if self.model_overrides:
-            cfg = cfg.with_(**dict(self.model_overrides))
+        cfg = get_config(self.model, self.model_overrides)
         if self.batch % self.n_data:
             raise ValueError(
                 f"batch={self.batch} is not divisible by n_data={self.n_data}: "
