@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from tplib.cli.planning import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, table_command
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
+from tplib.tables import TABLE_NAMES
 
 __all__ = ["build_parser", "main"]
-
-TABLES = ("main_results", "dp_ablation", "seqlen_sweep", "simulator_validation")
 
 
 def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,7 +92,7 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=bench_command)
 
     p = sub.add_parser("table", help="one paper table, printed (and saved with --out)")
-    p.add_argument("name", choices=TABLES)
+    p.add_argument("name", choices=TABLE_NAMES)
     p.add_argument("--mode", choices=("simulate", "measure"), default="simulate")
     p.add_argument("--params", help="the table's parameters as JSON, e.g. '{\"settings\": [9]}'")
     p.add_argument("--out", help="folder for the CSV and figure")
@@ -102,7 +101,7 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("reproduce", help="execute the table notebooks with papermill")
     p.add_argument("--mode", choices=("simulate", "measure", "all"), default="simulate")
-    p.add_argument("--only", nargs="*", choices=TABLES, help="tables (default: all)")
+    p.add_argument("--only", nargs="*", choices=TABLE_NAMES, help="tables (default: all)")
     p.add_argument(
         "--params",
         help='per-table parameters as JSON, e.g. \'{"main_results": {"settings": [9]}}\'',

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tplib.files import atomic_write
+from tplib.tables import TABLE_NAMES, get_table
 
 __all__ = [
-    "MODE_TABLES",
     "Job",
     "default_jobs",
     "notebooks_dir",
@@ -27,12 +27,6 @@ __all__ = [
     "run_job",
 ]
 
-# The notebooks each mode runs, in order. The simulator's validation exists only in
-# measure mode: it compares the simulator with real processes.
-MODE_TABLES: dict[str, tuple[str, ...]] = {
-    "simulate": ("main_results", "dp_ablation", "seqlen_sweep"),
-    "measure": ("main_results", "dp_ablation", "seqlen_sweep", "simulator_validation"),
-}
 RUN_MODES = {"simulate": ("simulate",), "measure": ("measure",), "all": ("simulate", "measure")}
 
 
@@ -116,13 +110,13 @@ def default_jobs(
     if mode not in RUN_MODES:
         raise ValueError(f"mode={mode!r}: choose one of {sorted(RUN_MODES)}")
     params = dict(params or {})
-    known = set(MODE_TABLES["measure"])
     for name in [*params, *only]:
-        if name not in known:
-            raise ValueError(f"unknown table {name!r}: the notebooks are {sorted(known)}")
+        if name not in TABLE_NAMES:
+            raise ValueError(f"unknown table {name!r}: the notebooks are {sorted(TABLE_NAMES)}")
     jobs = []
     for m in RUN_MODES[mode]:
-        for table in MODE_TABLES[m]:
+        # Every table notebook that runs in this mode, in the tables' order.
+        for table in (name for name in TABLE_NAMES if m in get_table(name).modes):
             if only and table not in only:
                 continue
             given = dict(params.get(table, {}))
@@ -139,7 +133,7 @@ def run_job(job: Job, *, kernel: str = "python3", log_output: bool = False) -> N
 
     source = notebooks_dir() / f"{job.table}.ipynb"
     if not source.exists():
-        raise ValueError(f"no notebook {source}: known notebooks are {MODE_TABLES['measure']}")
+        raise ValueError(f"no notebook {source}: known notebooks are {list(TABLE_NAMES)}")
     job.out_dir.mkdir(parents=True, exist_ok=True)
     env_before = os.environ.get("PYTHONPATH")
     # The kernel is a new process: put this checkout first on its path, so a copy of the
