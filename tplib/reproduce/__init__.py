@@ -61,38 +61,46 @@ class Report:
     summary_path: Path
 
 
-def _committed(path: Path) -> str | None:
-    """The committed content of results file ``path``: git's HEAD version when the
-    checkout is a git repository that tracks it, else the file as it is now (a fresh copy
-    of the repository holds the committed files)."""
-    root = repo_root()
+def _own_git_checkout(root: Path) -> bool:
+    """Whether ``root`` is the top of a git repository (not a copy inside another one)."""
     try:
-        rel = path.resolve().relative_to(root)
         top = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--show-toplevel"],
             capture_output=True,
             text=True,
             timeout=30,
         )
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
-            raise ValueError("not a git checkout of its own")  # e.g. a copy inside another repo
-        out = subprocess.run(
-            ["git", "-C", str(root), "show", f"HEAD:{rel.as_posix()}"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if out.returncode == 0:
-            return out.stdout
+    except (OSError, subprocess.SubprocessError):
+        return False  # no git
+    return top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve()
+
+
+def _committed(path: Path, git: bool) -> str | None:
+    """The committed content of results file ``path``: git's HEAD version when ``git``
+    (the checkout is its own repository) and it tracks the file, else the file as it is
+    now (a fresh copy of the repository holds the committed files)."""
+    root = repo_root()
+    try:
+        rel = path.resolve().relative_to(root)
+        if git:
+            out = subprocess.run(
+                ["git", "-C", str(root), "show", f"HEAD:{rel.as_posix()}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if out.returncode == 0:
+                return out.stdout
     except (ValueError, OSError, subprocess.SubprocessError):
-        pass  # not inside the checkout, or no git: fall back to the file
+        pass  # not inside the checkout, or git failed: fall back to the file
     return path.read_text() if path.is_file() else None
 
 
 def _snapshot_references(jobs: list[Job], root: Path) -> None:
     """Keep the committed CSV of every job beside the run, before the run overwrites it."""
+    git = _own_git_checkout(repo_root())
     for job in jobs:
-        text = _committed(job.csv)
+        text = _committed(job.csv, git)
         target = root / REFERENCE / job.csv.name
         if text is None:
             target.unlink(missing_ok=True)
