@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["ActionCosts", "Link", "SliceCostModel", "memo", "ring_allreduce", "unit_shape"]
 
 
+NBytes = TypeVar("NBytes", float, np.ndarray)
+
+
 class Link(NamedTuple):
     """A link between two processes: a message of n bytes takes ``latency + n / bandwidth``
     seconds (bandwidth in bytes/s, latency in seconds)."""
@@ -39,7 +42,7 @@ class Link(NamedTuple):
     bandwidth: float
     latency: float
 
-    def time(self, nbytes: float) -> float:
+    def time(self, nbytes: NBytes) -> NBytes:
         return self.latency + nbytes / self.bandwidth
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from tplib.config import GPTConfig
+from tplib.costs import Link
 from tplib.files import write_json
 from tplib.plan import grid_size
 from tplib.stages import check_stage_range
@@ -220,6 +221,11 @@ class Profile:
         return self.batch_slice_sizes[-1]
 
     @property
+    def link(self) -> Link:
+        """The link between stages the profile assumes."""
+        return Link(self.link_bandwidth, self.link_latency)
+
+    @property
     def bytes_per_element(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
@@ -231,7 +237,7 @@ class Profile:
             * self.config.hidden
             * self.bytes_per_element
         )
-        return 2 * (nbytes / self.link_bandwidth + self.link_latency)
+        return 2 * self.link.time(nbytes)
 
     def slice_time(
         self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
