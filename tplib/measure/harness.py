@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from tplib.config import GPTConfig, get_config
 from tplib.costs import Link
 from tplib.machine import busy_cores, cpu_count, threads_per_process
-from tplib.measure.costs import BottleneckCost, local_costs
+from tplib.measure.costs import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.options import Profiling
 from tplib.measure.shared import simulate_shared
 from tplib.perfmodel import Profile, profile_pipeline
@@ -107,6 +107,7 @@ class Bench:
     pool: LocalPool | None = None
     own_pool: bool = True  # started here, so closed here
     profiles: dict[int, list[Profile]] = field(default_factory=dict)
+    costs: dict[int, LocalCosts] = field(default_factory=dict)  # per L, from its profiles
 
     @property
     def cfg(self) -> GPTConfig:
@@ -125,6 +126,7 @@ class Bench:
                 progress=self.progress,
                 **self.profiling.kwargs(),
             )
+            self.costs[seq_len] = local_costs(self.profiles[seq_len], self.link)
         return self.profiles[seq_len]
 
     def plan(self, seq_len: int, pipeline_batch: int, eps: float) -> Plan:
@@ -157,7 +159,7 @@ class Bench:
             steps=self.iters,
             warmup=self.warmup,
         )
-        costs = local_costs(self.profiles[p.seq_len], self.link)
+        costs = self.costs[p.seq_len]
         cores = cpu_count()
         before = busy_cores()
         if before + run.world_size > cores + 0.5:
