@@ -1,0 +1,303 @@
+"""Tests for tplib.precision: the loss scaler's rules, fp16 master-weight AdamW against torch's
+AdamW on an independent fp32 copy, overflow skipping, and loss scaling rescuing a gradient
+that fp16 would flush to zero. Everything runs on CPU with float16 tensors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, TypedDict
+
+import pytest
+import torch
+from torch import Tensor
+
+from tplib.precision import (
+    PRECISIONS,
+    DynamicLossScaler,
+    MixedPrecisionOptimizer,
+    PlainOptimizer,
+    autocast,
+    check_precision,
+    make_optimizer,
+    param_dtype,
+)
+
+
+class Hyper(TypedDict):
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    eps: float
+
+
+HYPER = Hyper(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+SHAPES = [(4, 3), (3,), (2, 2, 2)]
+
+
+def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def _true_grads(seed: int) -> list[Tensor]:
+    """Small fp32 gradients, like a mean loss's; times 2**16 they stay well inside fp16."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) * 1e-3 for s in SHAPES]
+
+
+def _snapshot(t: list[Tensor]) -> list[Tensor]:
+    return [x.detach().clone() for x in t]
+
+
+def _assert_equal(actual: list[Tensor], expected: list[Tensor]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a.detach(), e.detach(), rtol=0, atol=0)
+
+
+# -- DynamicLossScaler ---------------------------------------------------------------------
+
+
+def test_scaler_backs_off_on_overflow() -> None:
+    s = DynamicLossScaler(scale=1024.0, growth_interval=10)
+    assert s.update(False) and s.update(False)
+    assert s.good_steps == 2
+    assert s.update(True) is False
+    assert (s.scale, s.good_steps) == (512.0, 0)
+
+
+def test_scaler_never_goes_below_min_scale() -> None:
+    s = DynamicLossScaler(scale=4.0, min_scale=2.0, backoff_factor=0.25)
+    assert s.update(True) is False
+    assert s.scale == 2.0
+    assert s.update(True) is False
+    assert s.scale == 2.0
+
+
+def test_scaler_grows_after_exactly_growth_interval_good_steps() -> None:
+    s = DynamicLossScaler(scale=8.0, growth_factor=3.0, growth_interval=4)
+    for _ in range(3):
+        assert s.update(False)
+        assert s.scale == 8.0
+    assert s.update(False)
+    assert (s.scale, s.good_steps) == (24.0, 0)
+    # An overflow restarts the count: 3 more good steps are not enough again.
+    for _ in range(3):
+        s.update(False)
+    s.update(True)
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 12.0
+    s.update(False)
+    assert s.scale == 36.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"scale": 0.5}, "scale must be"),
+        ({"scale": float("inf")}, "scale must be"),
+        ({"min_scale": 0.0}, "min_scale must be"),
+        ({"growth_factor": 1.0}, "growth_factor must be"),
+        ({"backoff_factor": 1.0}, "backoff_factor must be"),
+        ({"backoff_factor": 0.0}, "backoff_factor must be"),
+        ({"growth_interval": 0}, "growth_interval must be"),
+        ({"good_steps": -1}, "good_steps must be"),
+        ({"good_steps": 1000}, "good_steps must be"),
+    ],
+)
+def test_scaler_rejects_bad_fields(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaler(**kwargs)
+
+
+# -- MixedPrecisionOptimizer ---------------------------------------------------------------
+
+
+def _set_scaled_grads(params: list[torch.nn.Parameter], grads: list[Tensor], scale: float) -> None:
+    """What backward of ``loss * scale`` leaves in fp16 parameters."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = (g * scale).to(torch.float16)
+
+
+def test_masters_follow_torch_adamw_exactly() -> None:
+    params = _params(torch.float16)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in params]
+    ref_opt = torch.optim.AdamW(ref, **HYPER)
+    # growth_interval=2: the scale changes between steps, so each must use the current one.
+    opt = MixedPrecisionOptimizer(params, **HYPER, scaler=DynamicLossScaler(growth_interval=2))
+    scales = []
+    for i in range(5):
+        scale = opt.loss_scale
+        scales.append(scale)
+        _set_scaled_grads(params, _true_grads(i), scale)
+        for r, p in zip(ref, params, strict=True):
+            assert p.grad is not None
+            r.grad = p.grad.float() / scale
+        assert opt.unscale_grads().item() == 0.0
+        assert opt.step(False)
+        opt.zero_grad()
+        ref_opt.step()
+    assert scales == [2.0**16, 2.0**16, 2.0**17, 2.0**17, 2.0**18]
+    _assert_equal(opt.master_params, ref)
+    _assert_equal(list(params), [r.half() for r in ref])
+    assert all(p.dtype == torch.float16 for p in params)
+    assert all(m.dtype == torch.float32 for m in opt.master_params)
+    assert opt.steps_skipped == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_grad_skips_the_step(bad: float) -> None:
+    params = _params(torch.float16)
+    opt = MixedPrecisionOptimizer(params, **HYPER)
+    for i in range(2):  # Adam state exists and must survive the skip unchanged
+        _set_scaled_grads(params, _true_grads(i), opt.loss_scale)
+        opt.unscale_grads()
+        assert opt.step(False)
+        opt.zero_grad()
+    before_params = _snapshot(list(params))
+    before_masters = _snapshot(opt.master_params)
+    before_state = copy.deepcopy(opt.inner.state_dict())
+    scale = opt.loss_scale
+
+    _set_scaled_grads(params, _true_grads(2), scale)
+    assert params[1].grad is not None
+    params[1].grad[0] = bad
+    found = opt.unscale_grads()
+    assert found.shape == () and found.dtype == torch.float32
+    assert found.item() == 1.0
+    assert opt.step(bool(found.item())) is False
+    assert opt.loss_scale == scale / 2
+    assert opt.steps_skipped == 1
+    _assert_equal(list(params), before_params)
+    _assert_equal(opt.master_params, before_masters)
+    after_state = opt.inner.state_dict()
+    for k, v in before_state["state"].items():
+        for name, t in v.items():
+            torch.testing.assert_close(after_state["state"][k][name], t, rtol=0, atol=0)
+    opt.zero_grad()
+
+    _set_scaled_grads(params, _true_grads(3), opt.loss_scale)
+    found = opt.unscale_grads()
+    assert found.item() == 0.0
+    assert opt.step(bool(found.item()))
+    assert all(not torch.equal(p, b) for p, b in zip(params, before_params, strict=True))
+    assert opt.steps_skipped == 1
+
+
+def test_none_grad_counts_as_zero_and_master_grads_persist() -> None:
+    params = _params(torch.float16)
+    opt = MixedPrecisionOptimizer(params, **HYPER)
+    buffers = [m.grad for m in opt.master_params]
+    ptrs = [b.data_ptr() for b in buffers if b is not None]
+    _set_scaled_grads(params, _true_grads(0), opt.loss_scale)
+    opt.unscale_grads()
+    opt.step(False)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    _set_scaled_grads(params, _true_grads(1), opt.loss_scale)
+    params[0].grad = None
+    assert opt.unscale_grads().item() == 0.0
+    grads = [m.grad for m in opt.master_params]
+    assert grads[0] is not None and torch.count_nonzero(grads[0]) == 0
+    assert grads[1] is not None and torch.count_nonzero(grads[1]) == grads[1].numel()
+    assert [g is b for g, b in zip(grads, buffers, strict=True)] == [True] * len(SHAPES)
+    assert [g.data_ptr() for g in grads if g is not None] == ptrs
+
+
+def test_state_bytes_is_16_per_parameter_beyond_the_model() -> None:
+    params = _params(torch.float16)
+    n = sum(p.numel() for p in params)
+    opt = MixedPrecisionOptimizer(params, **HYPER)
+    assert opt.state_bytes() == 8 * n  # master + master grad; Adam's m, v come with step 1
+    _set_scaled_grads(params, _true_grads(0), opt.loss_scale)
+    opt.unscale_grads()
+    opt.step(False)
+    # + m and v, 4 bytes each, and a float32 step counter per tensor.
+    assert opt.state_bytes() == 16 * n + 4 * len(params)
+
+
+def test_loss_scaling_keeps_a_gradient_fp16_flushes_to_zero() -> None:
+    """d loss / d w = x * 1e-4 = 1e-8, below fp16's smallest subnormal (~6e-8)."""
+    x = torch.tensor([1e-4], dtype=torch.float16)
+    true_grad = x.double().item() * 1e-4
+    grads = {}
+    for scale in (1.0, 2.0**16):
+        w = torch.nn.Parameter(torch.ones(1, dtype=torch.float16))
+        opt = MixedPrecisionOptimizer([w], **HYPER, scaler=DynamicLossScaler(scale=scale))
+        loss = (w * x).float().sum() * 1e-4  # fp32 loss, as a mean cross-entropy is
+        (loss * opt.loss_scale).backward()
+        assert opt.unscale_grads().item() == 0.0
+        grad = opt.master_params[0].grad
+        assert grad is not None
+        grads[scale] = grad.item()
+    assert grads[1.0] == 0.0
+    assert grads[2.0**16] == pytest.approx(true_grad, rel=1e-3)
+
+
+def test_rejects_non_fp16_parameters() -> None:
+    params = [*_params(torch.float16)[:1], torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"parameter 1 .*torch\.float32.*float16"):
+        MixedPrecisionOptimizer(params, **HYPER)
+
+
+# -- PlainOptimizer, make_optimizer, precision helpers ------------------------------------
+
+
+def test_plain_optimizer_steps_like_torch_adamw() -> None:
+    params = _params(torch.float32)
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    ref_opt = torch.optim.AdamW(ref, **HYPER)
+    opt = PlainOptimizer(params, **HYPER)
+    assert opt.loss_scale == 1.0
+    for i in range(3):
+        for p, r, g in zip(params, ref, _true_grads(i), strict=True):
+            p.grad, r.grad = g.clone(), g.clone()
+        found = opt.unscale_grads()
+        assert found.shape == () and found.dtype == torch.float32 and found.item() == 0.0
+        assert opt.step(False)
+        opt.zero_grad()
+        ref_opt.step()
+    assert all(p.grad is None for p in params)
+    _assert_equal(list(params), ref)
+    n = sum(p.numel() for p in params)
+    assert opt.state_bytes() == 8 * n + 4 * len(params)
+    assert opt.steps_skipped == 0
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "cls"),
+    [
+        ("fp32", torch.float32, PlainOptimizer),
+        ("bf16", torch.float32, PlainOptimizer),
+        ("fp16", torch.float16, MixedPrecisionOptimizer),
+    ],
+)
+def test_make_optimizer_and_param_dtype(precision: str, dtype: torch.dtype, cls: type) -> None:
+    assert param_dtype(precision) == dtype
+    opt = make_optimizer(_params(dtype), precision, **HYPER)
+    assert type(opt) is cls
+
+
+def test_check_precision() -> None:
+    assert PRECISIONS == ("fp32", "bf16", "fp16")
+    for precision in ("fp32", "bf16"):
+        check_precision(precision, "cpu")
+    for precision in PRECISIONS:
+        check_precision(precision, "cuda")
+    check_precision("fp16", "cuda:1")
+    with pytest.raises(ValueError, match=r"fp16.*device='cuda'.*'cpu'.*bf16 on CPU"):
+        check_precision("fp16", "cpu")
+    with pytest.raises(ValueError, match=r"'fp8'.*fp32.*bf16.*fp16"):
+        check_precision("fp8", "cuda")
+    for fn in (param_dtype, lambda p: make_optimizer(_params(torch.float32), p, **HYPER)):
+        with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+            fn("fp8")
+
+
+def test_autocast() -> None:
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with autocast("bf16", "cpu"):
+        assert (a @ b).dtype == torch.bfloat16
+    for precision in ("fp32", "fp16"):
+        with autocast(precision, "cpu"):
+            assert (a @ b).dtype == torch.float32

@@ -1,0 +1,305 @@
+"""Mixed precision for the training runtime: fp32, bf16 autocast, fp16 with master weights.
+
+Three precisions, chosen per run:
+
+- ``"fp32"``: float32 parameters and a plain AdamW.
+- ``"bf16"``: float32 parameters, forward and backward under ``torch.autocast`` with
+  bfloat16 (CPU and CUDA). bf16 has float32's exponent range, so gradients neither
+  underflow nor overflow and no loss scaling is needed.
+- ``"fp16"``: the Megatron/apex "O2" recipe of the paper's V100 runs (V100s have no bf16).
+  The model's parameters and gradients are float16; the optimizer keeps fp32 master copies,
+  because an fp16 weight cannot absorb an update below its spacing (``1 + 1e-4 == 1`` in
+  fp16) and Adam's second moment needs float32's range. fp16's smallest subnormal is about
+  6e-8, so small gradients would flush to zero: the loss is multiplied by a
+  :class:`DynamicLossScaler`'s scale before backward and the gradients divided by it again
+  in fp32, where they are representable.
+
+Per parameter, fp16 holds 2 (weight) + 2 (grad) + 4 (master) + 4 (master grad) + 4 + 4
+(Adam m, v) = 20 bytes, the figure the memory model charges. The master grads are allocated
+once and kept, so that peak is what every step uses, not a transient.
+
+An fp16 step, on every rank::
+
+    (loss * opt.loss_scale).backward()      # the last stage scales; gradients flow back scaled
+    found = opt.unscale_grads()             # 0-d tensor: 1.0 if any gradient is inf/NaN
+    all_reduce(found, MAX)                  # over every rank of the run
+    opt.step(bool(found.item())); opt.zero_grad()
+
+Every rank must take the same decision: data-parallel replicas must stay identical, and
+earlier stages divide gradients scaled by the last stage's loss scale by their own scaler's
+scale, which is only right while all scalers see the same overflow history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PRECISIONS",
+    "DynamicLossScaler",
+    "MixedPrecisionOptimizer",
+    "PlainOptimizer",
+    "autocast",
+    "check_precision",
+    "make_optimizer",
+    "param_dtype",
+]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _check_known(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {PRECISIONS}")
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Raise ValueError unless ``precision`` is known and can run on ``device``."""
+    _check_known(precision)
+    if precision == "fp16" and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"precision 'fp16' needs device='cuda', got device={device!r}: fp16 weights are "
+            "for GPUs without bf16 (V100); use bf16 on CPU"
+        )
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the model's parameters are built in."""
+    _check_known(precision)
+    return torch.float16 if precision == "fp16" else torch.float32
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[object]:
+    """The context forward (and backward) run under: bf16 autocast for ``"bf16"``.
+
+    fp16 needs none: its parameters already are float16.
+    """
+    _check_known(precision)
+    if precision == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class DynamicLossScaler:
+    """The loss scale of fp16 training, adjusted to the largest value that does not overflow.
+
+    - On overflow (any inf/NaN gradient) the step is skipped, since its gradients are
+      garbage, and the scale is multiplied by ``backoff_factor``: the scale was too large.
+      It never falls below ``min_scale``: gradients that overflow at every scale mean a
+      diverged run, and shrinking the scale further would only flush them all to zero.
+    - After ``growth_interval`` consecutive good steps the scale is multiplied by
+      ``growth_factor``: gradients shrink as training goes on, and a larger scale keeps more
+      of their low bits. The interval is long because each probe that overflows costs a
+      skipped step.
+    """
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+    good_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.min_scale) and self.min_scale > 0):
+            raise ValueError(f"min_scale must be finite and > 0, got {self.min_scale}")
+        if not (math.isfinite(self.scale) and self.scale >= self.min_scale):
+            raise ValueError(
+                f"scale must be finite and >= min_scale={self.min_scale}, got {self.scale}"
+            )
+        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
+            raise ValueError(f"growth_factor must be finite and > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+        if not 0 <= self.good_steps < self.growth_interval:
+            raise ValueError(
+                f"good_steps must be in [0, growth_interval={self.growth_interval}), "
+                f"got {self.good_steps}"
+            )
+
+    def update(self, found_inf: bool) -> bool:
+        """Record one step's outcome; return whether the optimizer should step."""
+        if found_inf:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+        return True
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _adam_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    # exp_avg, exp_avg_sq and the step counters; empty until the first step allocates them.
+    return _nbytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+
+
+class MixedPrecisionOptimizer:
+    """AdamW on fp32 master copies of float16 model parameters, with dynamic loss scaling.
+
+    A model parameter whose gradient is None counts as having a zero gradient (it still
+    receives weight decay and momentum), unlike torch AdamW, which skips it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("MixedPrecisionOptimizer got an empty parameter list")
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float16:
+                raise ValueError(
+                    f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}: "
+                    "MixedPrecisionOptimizer needs float16 model parameters"
+                )
+        self.scaler = scaler if scaler is not None else DynamicLossScaler()
+        self.steps_skipped = 0
+        self._device = self.params[0].device
+        self._masters: list[Tensor] = []
+        for p in self.params:
+            master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
+            # Allocated once and overwritten by every unscale_grads: the inner AdamW never
+            # zeroes it, so the 4 bytes per parameter stay put instead of coming and going.
+            master.grad = torch.zeros_like(master)
+            self._masters.append(master)
+        self.inner = torch.optim.AdamW(
+            self._masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
+
+    @property
+    def loss_scale(self) -> float:
+        """What the caller multiplies the loss by before backward."""
+        return self.scaler.scale
+
+    @property
+    def master_params(self) -> list[Tensor]:
+        return self._masters
+
+    def unscale_grads(self) -> Tensor:
+        """Copy the model grads, divided by the loss scale, into the fp32 master grads.
+
+        Returns a 0-d float32 tensor on the parameters' device, 1.0 if any master grad is
+        inf or NaN, else 0.0. It stays a tensor (no host sync here) so that the caller can
+        all-reduce it with MAX before calling :meth:`step`.
+        """
+        finite = []
+        for p, m in zip(self.params, self._masters, strict=True):
+            assert m.grad is not None
+            if p.grad is None:
+                m.grad.zero_()
+            else:
+                m.grad.copy_(p.grad).div_(self.scaler.scale)
+            finite.append(torch.isfinite(m.grad).all())
+        return torch.stack(finite).all().logical_not().to(torch.float32)
+
+    @torch.no_grad()
+    def step(self, found_inf: bool) -> bool:
+        """Step unless ``found_inf``; either way update the scaler. Return whether it stepped.
+
+        A skipped step leaves the masters, the model parameters and Adam's state untouched.
+        """
+        if not self.scaler.update(found_inf):
+            self.steps_skipped += 1
+            return False
+        self.inner.step()
+        for p, m in zip(self.params, self._masters, strict=True):
+            p.copy_(m)  # rounds to nearest fp16, as m.half() does
+        return True
+
+    def zero_grad(self) -> None:
+        # Only the model's fp16 grads: the master grads are kept and overwritten.
+        for p in self.params:
+            p.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes held beyond the model parameters and their grads: masters, master grads
+        and Adam's state (the latter allocated by the first step that is not skipped)."""
+        grads = [m.grad for m in self._masters if m.grad is not None]
+        return _nbytes(self._masters) + _nbytes(grads) + _adam_state_bytes(self.inner)
+
+
+class PlainOptimizer:
+    """AdamW directly on the model's parameters (fp32, bf16): the interface of
+    :class:`MixedPrecisionOptimizer` without loss scaling or master copies."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float,
+    ) -> None:
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("PlainOptimizer got an empty parameter list")
+        self.steps_skipped = 0  # never skips: there is no loss scale to back off
+        self._device = self.params[0].device
+        self.inner = torch.optim.AdamW(
+            self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    @property
+    def master_params(self) -> list[Tensor]:
+        """The tensors AdamW updates: here the model parameters themselves."""
+        return list(self.params)
+
+    def unscale_grads(self) -> Tensor:
+        """Always 0.0, without scanning the gradients: nothing is scaled, so an inf or NaN
+        here is a diverged run, which skipping would not cure."""
+        return torch.zeros((), dtype=torch.float32, device=self._device)
+
+    def step(self, found_inf: bool) -> bool:
+        self.inner.step()
+        return True
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        return _adam_state_bytes(self.inner)
+
+
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter],
+    precision: str,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float,
+) -> MixedPrecisionOptimizer | PlainOptimizer:
+    """The optimizer for ``precision``: master weights and loss scaling for fp16 only."""
+    _check_known(precision)
+    if precision == "fp16":
+        return MixedPrecisionOptimizer(
+            params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
+    return PlainOptimizer(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
