@@ -14,6 +14,10 @@ positions is this slice's plus what later slices accumulated there. Because late
 run backward first, that sum is complete when slice t needs it, and the result is the same
 gradient the whole-sequence computation gives.
 
+Recomputation runs a slice's forward again inside its backward, after later slices have
+already added their gradients into the buffers; :meth:`StageContext.recomputing` marks
+that pass, so the first slice's forward does not clear what they accumulated.
+
 Two implementations of a slice's attention, chosen by :func:`slice_attention`:
 
 - ``"split"`` (CPU): attention over the context ``[0, start)`` without a mask and over the
@@ -26,6 +30,8 @@ Two implementations of a slice's attention, chosen by :func:`slice_attention`:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -58,6 +64,7 @@ class LayerContext:
         if impl is not None and impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
         self.impl = impl  # None: the fastest for the device
+        self.recomputing = False  # a forward run again inside backward: keep the grads
         shape = (batch, n_head, seq_len, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
@@ -99,6 +106,21 @@ class StageContext:
 
     def __getitem__(self, layer: int) -> LayerContext:
         return self.layers[layer]
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Mark the forwards run inside this block as recomputation (see the module)."""
+        for layer in self.layers.values():
+            layer.recomputing = True
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.recomputing = False
+
+    def buffers(self) -> list[Tensor]:
+        """Every buffer it holds: keys, values and their gradients, per layer."""
+        return [t for c in self.layers.values() for t in (c.k, c.v, c.grad_k, c.grad_v)]
 
 
 def _alias(buffer: Tensor, end: int) -> Tensor:
@@ -160,7 +182,7 @@ def slice_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerContext, start:
         raise ValueError(
             f"slice [{start}, {end}) runs past the context buffer of {layer.seq_len} tokens"
         )
-    if start == 0:
+    if start == 0 and not layer.recomputing:
         # A new pass over this sequence: nothing has been accumulated for it yet.
         layer.grad_k.zero_()
         layer.grad_v.zero_()

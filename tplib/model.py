@@ -10,6 +10,11 @@ so a stage's parameters have the same names as in the whole model and
 The only idea beyond a plain GPT: attention can take a :class:`~tplib.context.StageContext`
 and a ``start`` position, and then attends to the keys and values of earlier token slices
 of the same sequences (see :mod:`tplib.context`).
+
+Given an :class:`~tplib.oppart.OpGroup` of #Op > 1 ranks, a stage holds only this rank's
+share of each block, embedding and head, split the Megatron way (see
+:mod:`tplib.oppart`); :func:`init_parameters` then gives each shard exactly its part of
+the whole model's values.
 """
 
 from __future__ import annotations
@@ -23,8 +28,18 @@ from torch import Tensor, nn
 
 from tplib.config import GPTConfig
 from tplib.context import LayerContext, StageContext, slice_attention
+from tplib.oppart import (
+    OpGroup,
+    copy_to_group,
+    padded_vocab,
+    reduce_from_group,
+    shard_spec,
+    take_shard,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
-__all__ = ["GPTStage", "build_model", "check_stage_range", "init_parameters"]
+__all__ = ["GPTStage", "build_model", "check_op", "check_stage_range", "init_parameters"]
 
 
 class _LinearAccumulate(torch.autograd.Function):
@@ -39,16 +54,21 @@ class _LinearAccumulate(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor
+        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None
     ) -> Tensor:
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x)
+        # The parameters themselves, not saved copies: backward writes into their .grad
+        # (a saved-tensor hook, such as the memory meter's, may hand back another tensor).
+        ctx.weight, ctx.bias = weight, bias  # type: ignore[attr-defined]
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
     ) -> tuple[Tensor | None, None, None]:
-        x, weight, bias = ctx.saved_tensors  # type: ignore[attr-defined]
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        weight: Tensor = ctx.weight  # type: ignore[attr-defined]
+        bias: Tensor | None = ctx.bias  # type: ignore[attr-defined]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         if weight.requires_grad:
@@ -56,7 +76,7 @@ class _LinearAccumulate(torch.autograd.Function):
                 weight.grad = g2.t() @ x2
             else:
                 weight.grad.addmm_(g2.t(), x2)
-        if bias.requires_grad:
+        if bias is not None and bias.requires_grad:
             if bias.grad is None:
                 bias.grad = g2.sum(0)
             else:
@@ -68,61 +88,84 @@ class _LinearAccumulate(torch.autograd.Function):
 class Linear(nn.Linear):
     """``nn.Linear`` that accumulates its parameter gradients in place (float32 path).
 
-    Under autocast, or for other dtypes, it is a plain ``nn.Linear``.
+    Under autocast, or for other dtypes, it is a plain ``nn.Linear``. With an ``op``
+    group of several ranks it is row-parallel: each rank multiplies its share of the
+    input features, the partial products are summed over the group, then the
+    (replicated) bias is added once.
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def __init__(self, in_features: int, out_features: int, op: OpGroup | None = None) -> None:
+        super().__init__(in_features, out_features)
+        self.op = op if op is not None and op.size > 1 else None
+
+    def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
         fused = (
-            self.bias is not None
-            and torch.is_grad_enabled()
+            torch.is_grad_enabled()
             and self.weight.requires_grad
             and x.dtype == self.weight.dtype == torch.float32
             and not torch.is_autocast_enabled(x.device.type)
         )
         if fused:
-            return _LinearAccumulate.apply(x, self.weight, self.bias)
-        return super().forward(x)
+            return _LinearAccumulate.apply(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.op is None:
+            return self._product(x, self.bias)
+        return reduce_from_group(self._product(x, None), self.op) + self.bias
+
+
+def _op_size(op: OpGroup | None) -> int:
+    return 1 if op is None else op.size
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Causal self-attention over this rank's ``n_head / #Op`` heads."""
+
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = Linear(cfg.hidden, cfg.hidden)
+        self.op = op
+        self.n_head = cfg.n_head // _op_size(op)
+        self.width = self.n_head * cfg.head_dim  # this rank's share of the hidden size
+        self.qkv = Linear(cfg.hidden, 3 * self.width)
+        self.proj = Linear(self.width, cfg.hidden, op)
 
     def forward(self, x: Tensor, start: int = 0, context: LayerContext | None = None) -> Tensor:
-        b, length, hidden = x.shape
+        b, length, _ = x.shape
         q, k, v = (
-            t.view(b, length, self.n_head, hidden // self.n_head).transpose(1, 2)
-            for t in self.qkv(x).split(hidden, dim=2)
+            t.view(b, length, self.n_head, -1).transpose(1, 2)
+            for t in self.qkv(copy_to_group(x, self.op)).split(self.width, dim=2)
         )
         if context is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = slice_attention(q, k, v, context, start)
-        return self.proj(y.transpose(1, 2).reshape(b, length, hidden))
+        return self.proj(y.transpose(1, 2).reshape(b, length, self.width))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """The 4x MLP, this rank's share of the 4H features."""
+
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
         super().__init__()
-        self.fc = Linear(cfg.hidden, 4 * cfg.hidden)
-        self.proj = Linear(4 * cfg.hidden, cfg.hidden)
+        self.op = op
+        width = 4 * cfg.hidden // _op_size(op)
+        self.fc = Linear(cfg.hidden, width)
+        self.proj = Linear(width, cfg.hidden, op)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.gelu(self.fc(copy_to_group(x, self.op))))
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, op)
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, op)
 
     def forward(self, x: Tensor, start: int = 0, context: LayerContext | None = None) -> Tensor:
         x = x + self.attn(self.ln_1(x), start, context)
@@ -138,6 +181,18 @@ def check_stage_range(cfg: GPTConfig, lo: int, hi: int) -> None:
         )
 
 
+def check_op(cfg: GPTConfig, n_op: int) -> None:
+    """Raise ``ValueError`` unless #Op = ``n_op`` can partition ``cfg``'s operations."""
+    if isinstance(n_op, bool) or not isinstance(n_op, int) or n_op < 1:
+        raise ValueError(f"n_op={n_op!r} must be a positive integer")
+    if cfg.n_head % n_op or (4 * cfg.hidden) % n_op:
+        raise ValueError(
+            f"n_op={n_op} must divide {cfg.name}'s {cfg.n_head} attention heads and its "
+            f"MLP width 4 x {cfg.hidden}: operation partitioning splits heads and MLP "
+            "features evenly over the #Op ranks"
+        )
+
+
 class GPTStage(nn.Module):
     """Layers ``[lo, hi)`` of a GPT; the first stage embeds tokens, the last computes the loss.
 
@@ -148,22 +203,36 @@ class GPTStage(nn.Module):
     - With a ``context``, attention also sees the keys and values that earlier slices of
       the same sequences wrote there; without one, ``x`` must be whole sequences.
     - The last stage returns the summed next-token cross-entropy when given ``targets``
-      ``(batch, length)``, and the logits otherwise. Other stages return hidden states.
+      ``(batch, length)``, and the logits otherwise (with #Op > 1: this rank's
+      vocabulary rows of them). Other stages return hidden states.
+
+    With ``op`` (#Op > 1) the stage holds this rank's shard of every partitioned
+    parameter (see :mod:`tplib.oppart`); hidden states in and out are whole, and equal
+    on every rank of the group.
     """
 
-    def __init__(self, cfg: GPTConfig, lo: int = 0, hi: int | None = None) -> None:
+    def __init__(
+        self, cfg: GPTConfig, lo: int = 0, hi: int | None = None, op: OpGroup | None = None
+    ) -> None:
         super().__init__()
         hi = cfg.n_layer if hi is None else hi
         check_stage_range(cfg, lo, hi)
+        n_op = _op_size(op)
+        check_op(cfg, n_op)
         self.cfg, self.lo, self.hi = cfg, lo, hi
+        self.op = op if n_op > 1 else None
+        # This rank's vocabulary rows [first_row, first_row + rows) of the padded table.
+        rows = padded_vocab(cfg.vocab_size, n_op) // n_op
+        self.first_row = (0 if op is None else op.rank) * rows
+        self.n_valid_rows = max(0, min(rows, cfg.vocab_size - self.first_row))
         if self.is_first:
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden)
+            self.wte = nn.Embedding(rows, cfg.hidden)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
         # Keys are absolute layer indices so that stage and whole-model names agree.
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.op) for i in range(lo, hi)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-            self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+            self.head = nn.Linear(cfg.hidden, rows, bias=False)
             if cfg.tie_embeddings and self.is_first:
                 self.head.weight = self.wte.weight
 
@@ -179,6 +248,10 @@ class GPTStage(nn.Module):
     def layer_ids(self) -> range:
         return range(self.lo, self.hi)
 
+    @property
+    def n_op(self) -> int:
+        return _op_size(self.op)
+
     def new_context(
         self,
         batch: int,
@@ -187,7 +260,8 @@ class GPTStage(nn.Module):
         dtype: torch.dtype | None = None,
         attention: str | None = None,
     ) -> StageContext:
-        """Allocate the K/V context for ``batch`` sequences of ``seq_len`` tokens.
+        """Allocate the K/V context of this rank's heads for ``batch`` sequences of
+        ``seq_len`` tokens.
 
         ``attention`` picks a slice-attention implementation (see :mod:`tplib.context`)."""
         seq_len = self.cfg.seq_len if seq_len is None else seq_len
@@ -196,7 +270,7 @@ class GPTStage(nn.Module):
         return StageContext.allocate(
             self.layer_ids,
             batch=batch,
-            n_head=self.cfg.n_head,
+            n_head=self.cfg.n_head // self.n_op,
             seq_len=seq_len,
             head_dim=self.cfg.head_dim,
             dtype=dtype or param.dtype,
@@ -224,16 +298,21 @@ class GPTStage(nn.Module):
             raise ValueError(f"start={start} without a context: a slice needs its K/V context")
         if self.is_first:
             positions = torch.arange(start, start + length, device=x.device)
-            x = self.wte(x) + self.wpe(positions)
+            x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
+            x = x + self.wpe(positions)
         for i, block in self.blocks.items():
             x = block(x, start, None if context is None else context[int(i)])
         if not self.is_last:
             return x
-        logits = self.head(self.ln_f(x))
+        logits = self.head(copy_to_group(self.ln_f(x), self.op))
         if targets is None:
             return logits
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum"
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            self.first_row,
+            self.n_valid_rows,
+            self.op,
         )
 
 
@@ -241,17 +320,27 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def _whole_shapes(stage: GPTStage) -> dict[str, torch.Size]:
+    """Shapes of the stage's parameters in the unpartitioned model (nothing allocated)."""
+    with torch.device("meta"):
+        whole = GPTStage(stage.cfg, stage.lo, stage.hi)
+    return {name: p.shape for name, p in whole.named_parameters()}
+
+
 @torch.no_grad()
 def init_parameters(stage: GPTStage, seed: int = 0) -> None:
     """GPT-2 initialisation, drawn per parameter from a generator seeded by its name.
 
-    Any stage therefore holds exactly the values the same layers have in the whole model.
+    Any stage therefore holds exactly the values the same layers have in the whole model,
+    and a partitioned stage holds exactly its shard of them (vocabulary padding is zero).
     Residual projections get std / sqrt(2 * n_layer), as in GPT-2.
     """
     cfg = stage.cfg
+    shapes = _whole_shapes(stage) if stage.op is not None else {}
     for name, param in stage.named_parameters():
         if param.device.type == "meta":
             return
+        shape = shapes.get(name, param.shape)
         if name == "head.weight" and cfg.tie_embeddings:
             name = "wte.weight"  # a last stage's copy of the shared embedding
         leaf = name.rsplit(".", 1)[-1]
@@ -264,7 +353,9 @@ def init_parameters(stage: GPTStage, seed: int = 0) -> None:
             if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
                 std /= math.sqrt(2 * cfg.n_layer)
             g = torch.Generator().manual_seed(_seed_for(seed, name))
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            if stage.op is not None:
+                values = take_shard(values, shard_spec(name), stage.op.rank, stage.op.size)
             param.copy_(values)
 
 
@@ -276,13 +367,15 @@ def build_model(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    op: OpGroup | None = None,
 ) -> GPTStage:
-    """Build and initialise layers ``[lo, hi)`` (the whole model by default).
+    """Build and initialise layers ``[lo, hi)`` (the whole model by default), this rank's
+    shard of them with an ``op`` group.
 
     On the ``meta`` device nothing is allocated, which is how the 175B model is built.
     """
     with torch.device(device):
-        stage = GPTStage(cfg, lo, hi)
+        stage = GPTStage(cfg, lo, hi, op)
     stage.to(dtype=dtype)
     init_parameters(stage, seed)
     return stage

@@ -7,6 +7,10 @@ times, in any order a schedule allows, and on different processes. The executor 
 K/V context of each batch slice and refuses orders that would compute something wrong:
 a sequence's slices must run forward first to last and backward last to first.
 
+With ``recompute="full"`` (GPipe's re-materialisation) a unit's forward keeps nothing
+for backward but the unit's input (the K/V context is kept anyway, later slices read
+it); its backward runs the forward again with autograd on, then backward through it.
+
 :func:`run_pipeline_local` chains several stages in one process (all forwards, then all
 backwards), which is what the exactness tests compare against the whole-sequence model.
 """
@@ -14,7 +18,7 @@ backwards), which is what the exactness tests compare against the whole-sequence
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +28,32 @@ from tplib.context import StageContext
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
 
-__all__ = ["SliceExecutor", "full_batch_loss", "run_pipeline_local", "unit_rows"]
+__all__ = [
+    "RECOMPUTE_MODES",
+    "SliceExecutor",
+    "check_recompute",
+    "full_batch_loss",
+    "run_pipeline_local",
+    "unit_rows",
+]
+
+RECOMPUTE_MODES = ("none", "full")
+
+
+def check_recompute(mode: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a recomputation mode."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute={mode!r} is not a recompute mode: choose one of {RECOMPUTE_MODES}"
+        )
 
 
 @dataclass
 class _Saved:
     input: Tensor  # the unit's stage input, a leaf of its graph
-    output: Tensor  # hidden states, or the scaled loss on the last stage
+    output: Tensor | None  # hidden states or scaled loss; None until recomputed
+    targets: Tensor | None  # the last stage's, for recomputing the loss
+    held: tuple[object, ...] = ()  # the memory meter's handles on what this keeps alive
 
 
 class SliceExecutor:
@@ -38,6 +61,10 @@ class SliceExecutor:
 
     ``loss_scale`` multiplies each unit's summed cross-entropy on the last stage; set it to
     ``1 / (global batch * seq_len)`` and the gradients are those of the mean loss.
+    ``grad_scale`` multiplies the gradient backward starts from on the last stage (fp16's
+    dynamic loss scale), without changing the loss returned. ``hold``, if given, is
+    told about every tensor the executor keeps alive between a unit's forward and
+    backward (a memory meter counts them).
     """
 
     def __init__(
@@ -48,12 +75,18 @@ class SliceExecutor:
         loss_scale: float = 1.0,
         attention: str | None = None,
         dtype: torch.dtype | None = None,
+        recompute: str = "none",
+        hold: Callable[[Tensor], object] | None = None,
     ) -> None:
+        check_recompute(recompute)
         self.stage = stage
         self.attention = attention
         self.dtype = dtype
         self.plan = plan
         self.loss_scale = loss_scale
+        self.grad_scale = 1.0
+        self.recompute = recompute
+        self.hold = hold
         if plan.seq_len > stage.cfg.seq_len:
             raise ValueError(
                 f"plan's sequence length {plan.seq_len} exceeds the model's context of "
@@ -93,16 +126,28 @@ class SliceExecutor:
         if self.stage.is_last and targets is None:
             raise ValueError("the last stage needs targets to compute the loss")
         x = x.detach().requires_grad_(x.is_floating_point())
-        out = self.stage(
-            x, start=self.plan.token_offset(b, t), context=self.context(b), targets=targets
-        )
-        if self.stage.is_last:
-            out = out * self.loss_scale
-        self._saved[unit] = _Saved(x, out)
+        if self.recompute == "full":
+            with torch.no_grad():
+                out = self._run(unit, x, targets)
+            saved = _Saved(x, None, targets)
+        else:
+            out = self._run(unit, x, targets)
+            saved = _Saved(x, out, targets)
+        if self.hold is not None:
+            keep = (x, targets) if saved.output is None else (x, targets, out)
+            saved.held = tuple(self.hold(k) for k in keep if k is not None)
+        self._saved[unit] = saved
         self._next_forward[b] = t + 1
         if t + 1 == self.plan.n_token_slices(b):
             self._next_forward[b] = 0  # the sequence is done; next iteration starts over
         return out.detach()
+
+    def _run(self, unit: Unit, x: Tensor, targets: Tensor | None) -> Tensor:
+        b, t = unit.b, unit.t
+        out = self.stage(
+            x, start=self.plan.token_offset(b, t), context=self.context(b), targets=targets
+        )
+        return out * self.loss_scale if self.stage.is_last else out
 
     def backward(self, unit: Unit, grad_output: Tensor | None = None) -> Tensor | None:
         """Run ``unit`` backward; return the gradient of its input (None on the first stage,
@@ -118,7 +163,15 @@ class SliceExecutor:
             raise RuntimeError(f"backward of {unit} before its forward")
         if not self.stage.is_last and grad_output is None:
             raise ValueError(f"backward of {unit} on a middle stage needs the output gradient")
-        torch.autograd.backward(saved.output, None if self.stage.is_last else grad_output)
+        output = saved.output
+        if output is None:  # recompute: run the forward again, this time for autograd
+            with torch.enable_grad(), self.context(b).recomputing():
+                output = self._run(unit, saved.input, saved.targets)
+        if self.stage.is_last:
+            seed = torch.full_like(output, self.grad_scale)
+            torch.autograd.backward(output, seed)
+        else:
+            torch.autograd.backward(output, grad_output)
         self._next_backward[b] = t if t > 0 else self.plan.n_token_slices(b)
         return saved.input.grad
 
@@ -145,6 +198,7 @@ def run_pipeline_local(
     grad_output: Tensor | None = None,
     loss_scale: float | None = None,
     attention: str | None = None,
+    recompute: str = "none",
 ) -> Tensor:
     """Forward and backward a batch through ``stages`` chained in this process: every unit
     forward through every stage, then every unit backward in reverse order.
@@ -166,7 +220,8 @@ def run_pipeline_local(
         raise ValueError("a chain that ends mid-model needs grad_output")
     scale = 1.0 / targets.numel() if loss_scale is None and targets is not None else loss_scale
     executors = [
-        SliceExecutor(s, plan, loss_scale=scale or 1.0, attention=attention) for s in stages
+        SliceExecutor(s, plan, loss_scale=scale or 1.0, attention=attention, recompute=recompute)
+        for s in stages
     ]
     outputs: list[Tensor] = []
     for unit in plan.units():
