@@ -14,10 +14,10 @@ import torch
 from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save_run_config
 
 
-def test_world_size_not_stages_times_replicas() -> None:
+def test_world_size_not_the_layout() -> None:
     with (
         LocalPool(1) as pool,
-        pytest.raises(ValueError, match=r"world size 1 is not n_stages x n_data = 2 x 1 = 2"),
+        pytest.raises(ValueError, match=r"world size 1 is not #Data x #Pipe x #Op = 1 x 2 x 1 = 2"),
     ):
         pool.run(RunConfig(n_stages=2))
 
@@ -35,7 +35,7 @@ def test_failing_worker_fails_the_run_with_its_traceback() -> None:
 def test_hanging_peer_times_out_naming_what_was_awaited() -> None:
     with pytest.raises(
         WorkerError,
-        match=r"stage 1 \(rank 1\) waited 3 s for the activation from stage 0 of unit b0 t0",
+        match=r"stage 1 \(rank 1\) waited 3 s for the activation from stage 0 \(rank 0\) of unit b0 t0",
     ):
         launch(RunConfig(n_stages=2, batch=1, seq_len=16, timeout_s=3), Hooks(fault="hang:0"))
 

@@ -1,17 +1,22 @@
 """Pipelined training on gloo processes computes what one device computes.
 
 Every schedule runs with 1, 2 and 4 stages, 1 and 2 data-parallel replicas and several
-slicings; after one iteration the loss and every gradient match a single-process
-whole-batch reference, and after 5 AdamW steps so do the parameters (fp32, 1e-5).
+slicings; and on the 3D layouts (#Data, #Pipe, #Op) = (1, 2, 2), (2, 1, 2), (2, 2, 2)
+with token slices, with and without recomputation. After one iteration the loss and every
+gradient match a single-process whole-batch reference, and after 5 AdamW steps so do the
+parameters (fp32, 1e-5).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from tplib.oppart import shard_spec
 from tplib.plan import Plan
 from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
 from tplib.runtime.worker import Worker
@@ -55,12 +60,15 @@ def pools() -> Iterator[Callable[[int], LocalPool]]:
         pool.close()
 
 
-def _config(schedule: str, k: int, r: int, plan: Plan) -> RunConfig:
+def _config(
+    schedule: str, k: int, r: int, plan: Plan, *, n_op: int = 1, **fields: Any
+) -> RunConfig:
     return RunConfig(
         model="tiny",
         schedule=schedule,
         n_stages=k,
         n_data=r,
+        n_op=n_op,
         batch=BATCH_PER_REPLICA * r,
         seq_len=SEQ_LEN,
         slicing=plan,
@@ -73,18 +81,21 @@ def _config(schedule: str, k: int, r: int, plan: Plan) -> RunConfig:
         # noise-level without touching any real gradient (all >> 1e-6 here).
         adam_eps=1e-6,
         timeout_s=60,
+        **fields,
     )
 
 
 COLLECT = Hooks(collect_grads=True, collect_params=True)
-_references: dict[int, ReferenceResult] = {}
+_references: dict[tuple[int, object], ReferenceResult] = {}
 
 
 def _reference(run: RunConfig) -> ReferenceResult:
-    # The reference depends only on the global batch (model, data and optimiser are fixed).
-    if run.batch not in _references:
-        _references[run.batch] = train_reference(run)
-    return _references[run.batch]
+    # The reference depends only on the global batch and the model (data and optimiser
+    # are fixed).
+    key = (run.batch, run.model_overrides)
+    if key not in _references:
+        _references[key] = train_reference(run)
+    return _references[key]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -97,13 +108,9 @@ def _model_name(run: RunConfig, stage: int, name: str) -> str:
     return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
-@pytest.mark.parametrize(("schedule", "k", "r", "i"), CASES)
-def test_pipeline_matches_single_process(
-    pools: Callable[[int], LocalPool], schedule: str, k: int, r: int, i: int
-) -> None:
-    run = _config(schedule, k, r, SLICINGS[schedule][i])
-    result: RunResult = pools(run.world_size).run(run, COLLECT)
+def _check_against_reference(run: RunConfig, result: RunResult) -> None:
     ref = _reference(run)
+    r = run.n_data
     # Losses of every step (the first one is the loss after one iteration).
     _close(torch.tensor(result.losses), torch.tensor(ref.losses), "losses")
     for replica in range(r):
@@ -116,6 +123,58 @@ def test_pipeline_matches_single_process(
             _close(p, ref.params[_model_name(run, stage, name)], f"param {name} after 5 steps")
 
 
+@pytest.mark.parametrize(("schedule", "k", "r", "i"), CASES)
+def test_pipeline_matches_single_process(
+    pools: Callable[[int], LocalPool], schedule: str, k: int, r: int, i: int
+) -> None:
+    run = _config(schedule, k, r, SLICINGS[schedule][i])
+    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+
+
+# (#Data, #Pipe, #Op): the shapes of Table 1's layouts, scaled down.
+LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 2)]
+SLICED = {
+    "gpipe": Plan.gpipe(2, SEQ_LEN),
+    "terapipe": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "1f1b": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
+}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("schedule", list(SLICED))
+@pytest.mark.parametrize(("r", "k", "n_op"), LAYOUTS)
+def test_3d_layouts_match_single_process(
+    pools: Callable[[int], LocalPool], r: int, k: int, n_op: int, schedule: str, recompute: str
+) -> None:
+    run = _config(schedule, k, r, SLICED[schedule], n_op=n_op, recompute=recompute)
+    result = pools(run.world_size).run(run, COLLECT)
+    _check_against_reference(run, result)
+    # Replicated parameters (LayerNorms, biases after row-parallel products, positions)
+    # stay identical on every op rank without any synchronisation of their own.
+    for replica, stage in itertools.product(range(r), range(k)):
+        ranks = [x for x in result.ranks if (x.replica, x.stage) == (replica, stage)]
+        assert len(ranks) == n_op
+        for name, p in ranks[0].params.items():
+            if shard_spec(name) is None:
+                for other in ranks[1:]:
+                    assert torch.equal(other.params[name], p), (name, other.op_rank)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_recompute_matches_single_process(pools: Callable[[int], LocalPool], k: int) -> None:
+    run = _config("terapipe", k, 1, SLICINGS["terapipe"][1], recompute="full")
+    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+
+
+def test_padded_vocabulary_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
+    # 95 words over #Op = 2: 48 rows each, the last one padding, masked out of the loss.
+    run = _config(
+        "terapipe", 1, 1, SLICED["terapipe"], n_op=2, model_overrides=(("vocab_size", 95),)
+    )
+    assert run.padded_vocab == 96
+    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+
+
 def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
     trace = pools(2).run(run).trace
@@ -123,6 +182,7 @@ def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
         "rank",
         "stage",
         "replica",
+        "op_rank",
         "iteration",
         "kind",
         "b",

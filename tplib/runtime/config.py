@@ -1,7 +1,7 @@
 """What one training run is: :class:`RunConfig`, checked whole before any process starts.
 
-A run names the model, the parallel layout (#Pipe stages, #Data replicas), the schedule
-and its slicing, and the optimiser. Constructing a :class:`RunConfig` checks every field
+A run names the model, the parallel layout (#Data replicas x #Pipe stages x #Op ranks),
+the schedule and its slicing, recomputation, the precision and the optimiser. Constructing a :class:`RunConfig` checks every field
 and builds and validates the schedule, so bad input fails here, with a message naming
 the value and the rule, not in a worker process minutes later. It travels as JSON to
 torchrun jobs (:func:`save_run_config`).
@@ -20,8 +20,12 @@ from typing import Any
 
 from tplib.config import GPTConfig, get_config
 from tplib.files import write_json
+from tplib.model import check_op
+from tplib.oppart import padded_vocab
 from tplib.plan import Plan
+from tplib.precision import check_precision
 from tplib.schedule import Schedule, make_schedule
+from tplib.slicing import check_recompute
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
@@ -37,6 +41,12 @@ __all__ = [
 @dataclass(frozen=True)
 class RunConfig:
     """One training run: the model, the parallel layout, the schedule and the optimiser.
+
+    The layout is the paper's: ``n_data`` (#Data) replicas of a pipeline of ``n_stages``
+    (#Pipe) stages, each stage operation-partitioned over ``n_op`` (#Op) ranks; ranks are
+    numbered op innermost, then stage, then replica, so under torchrun's
+    ``--nproc-per-node`` a stage's #Op ranks are consecutive and share a node. Give
+    ``ranks_per_node`` (the processes per node) and the config checks that they do.
 
     ``batch`` is B, the global batch of all ``n_data`` data-parallel replicas together;
     each pipeline trains ``pipeline_batch = batch // n_data`` sequences per iteration, cut
@@ -54,6 +64,7 @@ class RunConfig:
     schedule: str = "terapipe"
     n_stages: int = 1
     n_data: int = 1
+    n_op: int = 1
     batch: int = 1
     seq_len: int = 64
     slicing: Plan | int = 1
@@ -67,7 +78,9 @@ class RunConfig:
     seed: int = 0  # model initialisation
     data_seed: int = 1  # iteration i trains on synthetic_batch(seed=data_seed + i)
     device: str = "cpu"
-    bf16: bool = False  # autocast to bfloat16 (CUDA only)
+    precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (CUDA: fp32 master weights)
+    recompute: str = "none"  # "none" | "full" (keep only each unit's input; recompute)
+    ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
     timeout_s: float = 180.0  # longest wait for any message or collective
     threads: int = 0  # torch threads per process; 0: this machine's cores split evenly
     model_overrides: tuple[tuple[str, object], ...] = ()
@@ -76,7 +89,7 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("n_stages", "n_data", "batch", "seq_len", "steps"):
+        for name in ("n_stages", "n_data", "n_op", "batch", "seq_len", "steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RunConfig.{name}={value!r} must be a positive integer")
@@ -88,9 +101,16 @@ class RunConfig:
             raise ValueError(f"RunConfig.timeout_s={self.timeout_s} must be positive seconds")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunConfig.device={self.device!r}: choose 'cpu' or 'cuda'")
-        if self.bf16 and self.device == "cpu":
-            raise ValueError("bf16=True needs device='cuda': autocast to bfloat16 is a GPU path")
+        check_precision(self.precision, self.device)
+        check_recompute(self.recompute)
         cfg = get_config(self.model, self.model_overrides)
+        check_op(cfg, self.n_op)
+        if self.ranks_per_node < 0 or (self.ranks_per_node and self.ranks_per_node % self.n_op):
+            raise ValueError(
+                f"n_op={self.n_op} with ranks_per_node={self.ranks_per_node}: a stage's #Op "
+                "ranks must lie on one node (operation partitioning stays inside a node), so "
+                "#Op must divide the ranks per node"
+            )
         if self.batch % self.n_data:
             raise ValueError(
                 f"batch={self.batch} is not divisible by n_data={self.n_data}: "
@@ -106,6 +126,14 @@ class RunConfig:
         check_stage_ranges(cfg, ranges, self.n_stages)
         schedule = make_schedule(self.schedule, self.n_stages, plan)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
+
+    @classmethod
+    def for_setting(cls, n: int, **options: Any) -> RunConfig:
+        """Table 1 row ``n`` exactly (see :func:`tplib.runtime.layouts.setting_run` for
+        the options: the plan's source, precision, recompute, device, steps)."""
+        from tplib.runtime.layouts import setting_run
+
+        return setting_run(n, **options)
 
     def _resolve_plan(self) -> Plan:
         if isinstance(self.slicing, Plan):
@@ -124,8 +152,34 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """#Pipe x #Data processes."""
-        return self.n_stages * self.n_data
+        """#Data x #Pipe x #Op processes."""
+        return self.n_data * self.n_stages * self.n_op
+
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary padded to a multiple of #Op (the embedding's and head's rows);
+        padding rows are masked out of the loss, so the model computes the same."""
+        return padded_vocab(self.cfg.vocab_size, self.n_op)
+
+    def position(self, rank: int) -> tuple[int, int, int]:
+        """(replica, stage, op rank) of global ``rank``."""
+        return (
+            rank // (self.n_stages * self.n_op),
+            rank // self.n_op % self.n_stages,
+            rank % self.n_op,
+        )
+
+    def rank_of(self, replica: int, stage: int, op_rank: int = 0) -> int:
+        """Global rank of (replica, stage, op rank): op innermost, then stage, then replica."""
+        return (replica * self.n_stages + stage) * self.n_op + op_rank
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ValueError`` unless ``world_size`` processes are this run's layout."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} is not #Data x #Pipe x #Op = {self.n_data} x "
+                f"{self.n_stages} x {self.n_op} = {self.world_size}"
+            )
 
     @property
     def pipeline_batch(self) -> int:

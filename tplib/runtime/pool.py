@@ -18,12 +18,14 @@ The same worker runs across nodes under torchrun: :mod:`tplib.runtime.torchrun`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import queue
 import socket
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tplib.machine import threads_per_process
+from tplib.oppart import merge_shards, shard_spec
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
 
@@ -52,14 +55,15 @@ class RunResult:
 
     @property
     def trace(self) -> pd.DataFrame:
-        """Every traced action: rank, stage, replica, iteration, kind, b, t, start, end (s)."""
+        """Every traced action: rank, stage, replica, op_rank, iteration, kind, b, t, start,
+        end (s)."""
         rows = [row for r in self.ranks for row in r.trace]
         return pd.DataFrame(rows, columns=list(TRACE_COLUMNS))
 
     @property
     def losses(self) -> list[float]:
         """The global mean loss of each timed iteration (summed over replicas' shares)."""
-        last = [r for r in self.ranks if r.stage == self.config.n_stages - 1]
+        last = [r for r in self.ranks if r.stage == self.config.n_stages - 1 and r.op_rank == 0]
         return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
 
     @property
@@ -72,16 +76,53 @@ class RunResult:
         return statistics.median(self.iteration_s)
 
     def grads(self, replica: int = 0) -> dict[tuple[int, str], torch.Tensor]:
-        """First-iteration gradients, keyed by (stage, parameter name)."""
-        return {
-            (r.stage, n): g for r in self.ranks if r.replica == replica for n, g in r.grads.items()
-        }
+        """First-iteration gradients, keyed by (stage, parameter name); with #Op > 1 the
+        op ranks' shards are joined into the whole model's tensors."""
+        return self._merged(replica, lambda r: r.grads)
 
     def params(self, replica: int = 0) -> dict[tuple[int, str], torch.Tensor]:
-        """Parameters after the last step, keyed by (stage, parameter name)."""
-        return {
-            (r.stage, n): p for r in self.ranks if r.replica == replica for n, p in r.params.items()
-        }
+        """Parameters after the last step, keyed by (stage, parameter name), joined as
+        :meth:`grads` are."""
+        return self._merged(replica, lambda r: r.params)
+
+    def _merged(
+        self, replica: int, tensors: Callable[[RankResult], dict[str, torch.Tensor]]
+    ) -> dict[tuple[int, str], torch.Tensor]:
+        shards: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for r in sorted(self.ranks, key=lambda r: r.op_rank):
+            if r.replica == replica:
+                for name, t in tensors(r).items():
+                    shards.setdefault((r.stage, name), []).append(t)
+        vocab, n_op = self.config.cfg.vocab_size, self.config.n_op
+        out = {}
+        for (stage, name), parts in shards.items():
+            spec = shard_spec(name)
+            if spec is None:  # replicated: every op rank holds the same tensor
+                out[stage, name] = parts[0]
+                continue
+            size = vocab if spec.vocab else parts[0].shape[spec.dim] * n_op
+            out[stage, name] = merge_shards(parts, spec, size)
+        return out
+
+    @property
+    def memory(self) -> pd.DataFrame:
+        """Each rank's measured peak memory (bytes) and its parts."""
+        rows = [
+            {"rank": r.rank, "stage": r.stage, "replica": r.replica, "op_rank": r.op_rank}
+            | dataclasses.asdict(r.memory)
+            | {"total": r.memory.total}
+            for r in self.ranks
+            if r.memory is not None
+        ]
+        return pd.DataFrame(rows)
+
+    def stage_peak_bytes(self) -> list[int]:
+        """Each stage's peak memory: the largest of its ranks' (bytes)."""
+        peaks = [0] * self.config.n_stages
+        for r in self.ranks:
+            if r.memory is not None:
+                peaks[r.stage] = max(peaks[r.stage], r.memory.total)
+        return peaks
 
 
 def free_port() -> int:
@@ -96,7 +137,7 @@ def _pool_worker(
 ) -> None:
     try:
         torch.set_num_threads(threads_per_process(world_size))
-        if backend == "nccl":
+        if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
@@ -178,13 +219,9 @@ class LocalPool:
         """Run ``run`` on the pool's processes and gather every rank's result."""
         if self._closed:
             raise RuntimeError("this LocalPool is closed (a run failed or close() was called)")
-        if run.world_size != self.world_size:
-            raise ValueError(
-                f"world size {self.world_size} is not n_stages x n_data = "
-                f"{run.n_stages} x {run.n_data} = {run.world_size}"
-            )
-        if (run.device == "cuda") != (self.backend == "nccl"):
-            raise ValueError(f"device={run.device!r} does not match backend={self.backend!r}")
+        run.check_world_size(self.world_size)
+        if run.device == "cpu" and self.backend == "nccl":
+            raise ValueError("device='cpu' cannot run on backend='nccl': use gloo for CPU runs")
         self.wait_ready()
         for q in self._jobs:
             q.put((run, hooks))
@@ -196,9 +233,10 @@ class LocalPool:
             status, rank, payload = self._next(deadline, f"finish the run within {budget:.0f} s")
             if status == "error":
                 self.close(force=True)
-                stage, replica = rank % run.n_stages, rank // run.n_stages
+                replica, stage, op_rank = run.position(rank)
+                op = f", op rank {op_rank}" if run.n_op > 1 else ""
                 raise WorkerError(
-                    f"rank {rank} (stage {stage}, replica {replica}) failed:\n{payload}"
+                    f"rank {rank} (stage {stage}, replica {replica}{op}) failed:\n{payload}"
                 )
             ranks[rank] = payload
         return RunResult(run, [ranks[r] for r in range(self.world_size)])
@@ -225,8 +263,16 @@ class LocalPool:
         self.close(force=exc[0] is not None)
 
 
+def local_backend(run: RunConfig) -> str:
+    """NCCL when every rank has a GPU of its own, gloo otherwise (on CPU, or several
+    ranks sharing one GPU, their tensors staged through host memory)."""
+    if run.device == "cuda" and torch.cuda.device_count() >= run.world_size:
+        return "nccl"
+    return "gloo"
+
+
 def launch(run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
     """Start ``run.world_size`` local processes, run, and return the gathered results."""
-    backend = "nccl" if run.device == "cuda" else "gloo"
+    backend = local_backend(run)
     with LocalPool(run.world_size, backend=backend, timeout_s=run.timeout_s) as pool:
         return pool.run(run, hooks)

@@ -1,19 +1,30 @@
-"""The per-process pipeline interpreter: one process per (stage, replica) runs its stage's
-list of actions, iteration after iteration.
+"""The per-process pipeline interpreter: one process per (replica, stage, op rank) runs its
+stage's list of actions, iteration after iteration.
 
-Each process builds its stage of the model, then walks the actions of
+Each process builds its shard of its stage of the model, then walks the actions of
 :attr:`RunConfig.schedule_data <tplib.runtime.RunConfig.schedule_data>` through a dispatch
 table from action kind to method (:data:`Worker.DISPATCH`): receive, forward, send and
 the same for gradients, through a :class:`~tplib.slicing.SliceExecutor` that keeps each
 sequence's K/V context and routes the K/V gradients between token slices; then the
 gradient all-reduce (across data-parallel replicas, and between the two copies of a tied
-embedding) and the AdamW step. A new kind of action is one method and one table entry.
+embedding) and the optimizer step. A new kind of action is one method and one table entry.
+
+Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
+``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
+one process group per (replica, stage); data parallelism over one per (stage, op rank),
+the tied embedding over one per (replica, op rank). Between stages a tensor travels once:
+the last op rank of the sender sends it to the first op rank of the receiver (forward;
+backward the first to the last), which broadcasts it to its group, as the cluster cost
+model charges (:mod:`tplib.cluster.layout`).
 
 Communication semantics are the ones the schedule validator checks: a send is posted
 asynchronously and completed before the all-reduce; a receive blocks, with a timeout,
-until its tensor arrives. Every action is timed into a trace.
+until its tensor arrives. Every action is timed into a trace. With CUDA tensors on gloo
+(several ranks sharing one GPU) everything sent is staged through host memory.
 
-Ranks follow the paper's layout: rank = replica x #Pipe + stage.
+Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
+allocator's peak, or on CPU what autograd saves and the executor holds, plus the
+parameters, gradients (kept allocated between steps), optimizer state and K/V contexts.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -31,48 +42,78 @@ from torch import Tensor
 
 from tplib.data import synthetic_batch
 from tplib.model import GPTStage, build_model
+from tplib.oppart import OpGroup
 from tplib.plan import Unit
+from tplib.precision import autocast, make_optimizer, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.memory import MemoryMeter, StageMemory, reset_cuda_peak
 from tplib.schedule import Action, Kind
 from tplib.slicing import SliceExecutor, unit_rows
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]
 
-TRACE_COLUMNS = ("rank", "stage", "replica", "iteration", "kind", "b", "t", "start", "end")
-TraceRow = tuple[int, int, int, int, str, int, int, float, float]
+TRACE_COLUMNS = (
+    "rank",
+    "stage",
+    "replica",
+    "op_rank",
+    "iteration",
+    "kind",
+    "b",
+    "t",
+    "start",
+    "end",
+)
+TraceRow = tuple[int, int, int, int, int, str, int, int, float, float]
+Group = dist.ProcessGroup | None
 
 
 @dataclass
 class RankResult:
-    """What one process returns: its trace, losses, timings and (optionally) tensors."""
+    """What one process returns: its trace, losses, timings, memory and (optionally)
+    tensors (its shards, with #Op > 1)."""
 
     rank: int
     stage: int
     replica: int
     layers: tuple[int, int]
+    op_rank: int = 0
     trace: list[TraceRow] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # per timed iteration, last stage only
     iteration_s: list[float] = field(default_factory=list)
+    memory: StageMemory | None = None
+    steps_skipped: int = 0  # fp16 steps skipped on overflow
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
 
 
 class _Groups:
-    """Process groups every rank creates in the same order: one per stage across replicas
-    (data parallelism) and one per replica joining the first and last stage (tied
-    embedding)."""
+    """Process groups, created by every rank in the same order (``new_group`` is
+    collective): #Op groups per (replica, stage), #Data groups per (stage, op rank), tied
+    embedding groups per (replica, op rank)."""
 
     def __init__(self, run: RunConfig) -> None:
-        k, r = run.n_stages, run.n_data
-        self.data: dict[int, dist.ProcessGroup | None] = {}
-        for stage in range(k):
-            ranks = [rep * k + stage for rep in range(r)]
-            self.data[stage] = dist.new_group(ranks) if r > 1 else None
-        self.tied: dict[int, dist.ProcessGroup | None] = {}
-        for rep in range(r):
-            ranks = [rep * k, rep * k + k - 1]
-            tie = run.cfg.tie_embeddings and k > 1
-            self.tied[rep] = dist.new_group(ranks) if tie else None
+        k, r, n = run.n_stages, run.n_data, run.n_op
+
+        def make(ranks: list[int]) -> Group:
+            return dist.new_group(ranks) if len(ranks) > 1 else None
+
+        self.op = {
+            (rep, s): make([run.rank_of(rep, s, o) for o in range(n)])
+            for rep in range(r)
+            for s in range(k)
+        }
+        self.data = {
+            (s, o): make([run.rank_of(rep, s, o) for rep in range(r)])
+            for s in range(k)
+            for o in range(n)
+        }
+        tie = run.cfg.tie_embeddings and k > 1
+        self.tied = {
+            (rep, o): make([run.rank_of(rep, 0, o), run.rank_of(rep, k - 1, o)]) if tie else None
+            for rep in range(r)
+            for o in range(n)
+        }
 
 
 def _shared_weight(stage: GPTStage) -> Tensor | None:
@@ -103,58 +144,110 @@ Handler = Callable[["Worker", Action, _Iteration], None]
 
 
 class Worker:
-    """One rank of a run: its stage, optimizer, executor and process groups."""
+    """One rank of a run: its stage shard, optimizer, executor and process groups."""
 
     def __init__(self, run: RunConfig, rank: int, hooks: Hooks = Hooks()) -> None:
         self.run, self.rank, self.hooks = run, rank, hooks
-        self.stage_id, self.replica = rank % run.n_stages, rank // run.n_stages
+        self.replica, self.stage_id, self.op_rank = run.position(rank)
         self.schedule = run.schedule_data
         self.plan = run.plan
         self.device = torch.device(run.device)
+        # gloo moves CUDA tensors only through host memory.
+        self.staged = self.device.type == "cuda" and dist.get_backend() == "gloo"
+        self.groups = _Groups(run)
+        self.op_group = self.groups.op[self.replica, self.stage_id]
+        op = None
+        if run.n_op > 1:
+            op = OpGroup(
+                self.op_rank,
+                run.n_op,
+                all_reduce=lambda t: self._all_reduce(t, self.op_group),
+                all_reduce_max=lambda t: self._all_reduce(t, self.op_group, dist.ReduceOp.MAX),
+            )
         lo, hi = run.ranges[self.stage_id]
-        self.stage = build_model(run.cfg, lo, hi, seed=run.seed, device=self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.stage.parameters(),
+        self.wire_dtype = param_dtype(run.precision)
+        self.stage = build_model(
+            run.cfg, lo, hi, seed=run.seed, device=self.device, dtype=self.wire_dtype, op=op
+        )
+        self.params = list(self.stage.parameters())
+        for p in self.params:  # kept allocated between steps, as the memory model assumes
+            p.grad = torch.zeros_like(p)
+        self.optimizer = make_optimizer(
+            self.params,
+            run.precision,
             lr=run.lr,
             betas=run.betas,
             weight_decay=run.weight_decay,
             eps=run.adam_eps,
         )
+        self.meter = MemoryMeter()
         self.executor = SliceExecutor(
-            self.stage, self.plan, loss_scale=1.0 / (run.batch * run.seq_len)
+            self.stage,
+            self.plan,
+            loss_scale=1.0 / (run.batch * run.seq_len),
+            dtype=torch.bfloat16 if run.precision == "bf16" else self.wire_dtype,
+            recompute=run.recompute,
+            hold=self.meter.hold if self.device.type == "cpu" else None,
         )
-        self.groups = _Groups(run)
+        # Contexts up front: they are static memory, never counted as activations.
+        self.contexts = [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
+        self.meter.exclude(self.params)
+        self.meter.exclude(t for c in self.contexts for t in c.buffers())
         self.timeout = datetime.timedelta(seconds=run.timeout_s)
-        self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi))
-        self.autocast: AbstractContextManager[object] = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if run.bf16 else nullcontext()
-        )
+        self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
+
+    # ---- communication ----------------------------------------------------------------
+
+    def _all_reduce(
+        self, tensor: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> None:
+        if not self.staged:
+            dist.all_reduce(tensor, op=op, group=group)
+            return
+        host = tensor.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        tensor.copy_(host)
+
+    def _wire(self, action: Action) -> tuple[int, int]:
+        """(the op rank of this stage that carries ``action``, the rank at the other end)."""
+        last = self.run.n_op - 1
+        rep, k = self.replica, self.stage_id
+        if action.kind is Kind.SA:
+            return last, self.run.rank_of(rep, k + 1, 0)
+        if action.kind is Kind.RA:
+            return 0, self.run.rank_of(rep, k - 1, last)
+        if action.kind is Kind.SG:
+            return 0, self.run.rank_of(rep, k - 1, last)
+        return last, self.run.rank_of(rep, k + 1, 0)  # RG
 
     # ---- the actions ----------------------------------------------------------------
 
-    def _peer(self, action: Action) -> int:
-        step = 1 if action.kind in (Kind.SA, Kind.RG) else -1
-        return self.rank + step
-
     def receive(self, action: Action, it: _Iteration) -> None:
-        """RA / RG: wait (with the run's timeout) for a unit's activation or gradient."""
+        """RA / RG: wait (with the run's timeout) for a unit's activation or gradient on
+        the carrying op rank, then share it with the stage's #Op group."""
         b, t = action.b, action.t
         shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.run.cfg.hidden)
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        work = dist.irecv(buf, self._peer(action))
-        assert work is not None  # point-to-point ops always return their Work
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as exc:
-            activation = action.kind is Kind.RA
-            raise TimeoutError(
-                f"stage {self.stage_id} (rank {self.rank}) waited {self.run.timeout_s:g} s for "
-                f"the {'activation' if activation else 'gradient'} from stage "
-                f"{self.stage_id + (-1 if activation else 1)} of unit b{b} t{t} ({action}); "
-                f"the peer is stuck or has failed: {exc}"
-            ) from exc
+        wire = "cpu" if self.staged else self.device
+        buf = torch.empty(shape, dtype=self.wire_dtype, device=wire)
+        carrier, peer = self._wire(action)
+        if self.op_rank == carrier:
+            work = dist.irecv(buf, peer)
+            assert work is not None  # point-to-point ops always return their Work
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as exc:
+                activation = action.kind is Kind.RA
+                raise TimeoutError(
+                    f"stage {self.stage_id} (rank {self.rank}) waited {self.run.timeout_s:g} s "
+                    f"for the {'activation' if activation else 'gradient'} from stage "
+                    f"{self.stage_id + (-1 if activation else 1)} (rank {peer}) of unit b{b} "
+                    f"t{t} ({action}); the peer is stuck or has failed: {exc}"
+                ) from exc
+        if self.op_group is not None:
+            src = self.run.rank_of(self.replica, self.stage_id, carrier)
+            dist.broadcast(buf, src, group=self.op_group)
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
-        it.received[Action(consumer, action.stage, b, t)] = buf
+        it.received[Action(consumer, action.stage, b, t)] = buf.to(self.device)
 
     def forward(self, action: Action, it: _Iteration) -> None:
         """F: the unit's forward; the last stage adds its scaled loss."""
@@ -163,8 +256,7 @@ class Worker:
         if x is None:
             x = unit_rows(self.plan, unit, it.tokens).to(self.device)  # token ids
         y = unit_rows(self.plan, unit, it.targets).to(self.device) if self.stage.is_last else None
-        with self.autocast:
-            out = self.executor.forward(unit, x, y)
+        out = self.executor.forward(unit, x, y)
         if self.stage.is_last:
             it.loss += out.float()
         else:
@@ -173,16 +265,24 @@ class Worker:
     def backward(self, action: Action, it: _Iteration) -> None:
         """B: the unit's backward; keeps the input gradient for the previous stage."""
         grad_in = it.received.pop(action, None)
-        with self.autocast:
-            grad = self.executor.backward(action.unit, grad_in)
+        grad = self.executor.backward(action.unit, grad_in)
         if not self.stage.is_first:
             assert grad is not None  # a hidden-state input always has a gradient
-            it.outputs[action.unit] = grad.float()
+            it.outputs[action.unit] = grad
 
     def send(self, action: Action, it: _Iteration) -> None:
-        """SA / SG: post the unit's output or input gradient; completed before AR."""
-        tensor = it.outputs.pop(action.unit).contiguous()
-        work = dist.isend(tensor, self._peer(action))
+        """SA / SG: post the unit's output or input gradient from the carrying op rank;
+        completed before AR."""
+        tensor = it.outputs.pop(action.unit)
+        carrier, peer = self._wire(action)
+        if self.op_rank != carrier:
+            return  # an op-rank peer sends the (identical) tensor
+        tensor = tensor.to(self.wire_dtype).contiguous()
+        if self.staged:
+            tensor = tensor.cpu()
+        # Drop sends already delivered: their buffers need not live until AR.
+        it.pending[:] = [p for p in it.pending if not p[0].is_completed()]
+        work = dist.isend(tensor, peer)
         assert work is not None  # point-to-point ops always return their Work
         it.pending.append((work, tensor, action))
 
@@ -191,35 +291,42 @@ class Worker:
         and the stage's gradients across its data-parallel replicas."""
         self._wait_sends(it.pending)
         shared = _shared_weight(self.stage)
-        tied = self.groups.tied[self.replica]
+        tied = self.groups.tied[self.replica, self.op_rank]
         if shared is not None and tied is not None:
             # The first stage's embedding and the last stage's head are one parameter of
             # the model: each copy gets the sum of both gradients.
-            if shared.grad is None:
-                shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=tied)
-        group = self.groups.data[self.stage_id]
+            assert shared.grad is not None  # allocated at start, kept between steps
+            self._all_reduce(shared.grad, tied)
+        group = self.groups.data[self.stage_id, self.op_rank]
         if group is None:
             return
         # The loss is already scaled by the global batch: summing gives the mean's gradient.
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        self._all_reduce(flat, group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
     def step(self, action: Action, it: _Iteration) -> None:
-        """OPT: the AdamW step on this stage's parameters, then zero the gradients."""
+        """OPT: the optimizer step on this stage's parameters (with fp16, skipped by every
+        rank together when any gradient overflowed), then zero the gradients."""
+        scale = self.optimizer.loss_scale
         if self.hooks.collect_grads and it.index == 0:
             self.result.grads = {
-                n: p.grad.detach().cpu().clone()
+                n: (p.grad.float() / scale).cpu()
                 for n, p in self.stage.named_parameters()
                 if p.grad is not None
             }
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        found_inf = self.optimizer.unscale_grads()
+        if self.run.precision == "fp16":  # all ranks skip together or none does
+            self._all_reduce(found_inf, None, dist.ReduceOp.MAX)
+        if not self.optimizer.step(bool(found_inf.item())):
+            self.result.steps_skipped += 1
+        for p in self.params:
+            assert p.grad is not None
+            p.grad.zero_()
 
     DISPATCH: ClassVar[dict[Kind, Handler]] = {
         Kind.RA: receive,
@@ -241,7 +348,7 @@ class Worker:
             except RuntimeError as exc:
                 raise TimeoutError(
                     f"stage {self.stage_id} (rank {self.rank}) could not complete {action} to "
-                    f"rank {self._peer(action)} within {self.run.timeout_s:g} s: {exc}"
+                    f"rank {self._wire(action)[1]} within {self.run.timeout_s:g} s: {exc}"
                 ) from exc
         pending.clear()
 
@@ -254,39 +361,47 @@ class Worker:
         mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         it = _Iteration(index, tokens[mine], targets[mine], loss)
+        self.executor.grad_scale = self.optimizer.loss_scale
         dist.barrier()
         t0 = time.perf_counter()
         self._maybe_fault()
-        for action in self.schedule.actions[self.stage_id]:
-            handler = self.DISPATCH.get(action.kind)
-            if handler is None:
-                raise NotImplementedError(
-                    f"the runtime has no handler for {action.kind} actions ({action} on "
-                    f"stage {self.stage_id}): add a method and a Worker.DISPATCH entry"
-                )
-            start = time.perf_counter()
-            handler(self, action, it)
-            if record:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.result.trace.append(
-                    (
-                        self.rank,
-                        self.stage_id,
-                        self.replica,
-                        index - run.warmup,
-                        action.kind.value,
-                        action.b,
-                        action.t,
-                        start - t0,
-                        time.perf_counter() - t0,
+        # One autocast region per iteration: its cast weights are cached once, not per unit.
+        meter = self.meter if self.device.type == "cpu" else nullcontext()
+        with autocast(run.precision, self.device.type), meter:
+            for action in self.schedule.actions[self.stage_id]:
+                handler = self.DISPATCH.get(action.kind)
+                if handler is None:
+                    raise NotImplementedError(
+                        f"the runtime has no handler for {action.kind} actions ({action} on "
+                        f"stage {self.stage_id}): add a method and a Worker.DISPATCH entry"
                     )
-                )
+                start = time.perf_counter()
+                handler(self, action, it)
+                if record:
+                    self._trace(index, action, start - t0, t0)
         dist.barrier()
         if record:
             self.result.iteration_s.append(time.perf_counter() - t0)
             if self.stage.is_last:
                 self.result.losses.append(float(it.loss))
+
+    def _trace(self, index: int, action: Action, start: float, t0: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.result.trace.append(
+            (
+                self.rank,
+                self.stage_id,
+                self.replica,
+                self.op_rank,
+                index - self.run.warmup,
+                action.kind.value,
+                action.b,
+                action.t,
+                start,
+                time.perf_counter() - t0,
+            )
+        )
 
     def _maybe_fault(self) -> None:
         if self.hooks.fault_rank != self.rank:
@@ -295,21 +410,31 @@ class Worker:
             raise RuntimeError(f"injected fault on rank {self.rank}")
         time.sleep(10 * self.run.timeout_s)  # "hang": stall until killed or timed out
 
+    def _memory(self) -> StageMemory:
+        buffers = [t for c in self.contexts for t in c.buffers()]
+        state = self.optimizer.state_bytes()
+        if self.device.type == "cuda":
+            return StageMemory.allocator(
+                self.stage, self.device, optimizer_state_bytes=state, contexts=buffers
+            )
+        return StageMemory.counted(
+            self.stage, self.meter, optimizer_state_bytes=state, contexts=buffers
+        )
+
     def train(self) -> RankResult:
+        if self.device.type == "cuda":
+            reset_cuda_peak(self.device)
         for i in range(self.run.warmup + self.run.steps):
             self.iteration(i, record=i >= self.run.warmup)
+        self.result.memory = self._memory()
         if self.hooks.collect_params:
             self.result.params = {
-                n: p.detach().cpu().clone() for n, p in self.stage.named_parameters()
+                n: p.detach().float().cpu().clone() for n, p in self.stage.named_parameters()
             }
         return self.result
 
 
 def run_worker(run: RunConfig, rank: int, hooks: Hooks = Hooks()) -> RankResult:
     """Train ``run`` as ``rank`` of an initialised default process group."""
-    if dist.get_world_size() != run.world_size:
-        raise ValueError(
-            f"world size {dist.get_world_size()} is not n_stages x n_data = "
-            f"{run.n_stages} x {run.n_data} = {run.world_size}"
-        )
+    run.check_world_size(dist.get_world_size())
     return Worker(run, rank, hooks).train()
