@@ -99,13 +99,21 @@ def n_params(cfg: GPTConfig) -> int:
     return stage_params(cfg, 0, cfg.n_layer)
 
 
-def stage_params(cfg: GPTConfig, lo: int, hi: int) -> int:
+def stage_params(cfg: GPTConfig, lo: int, hi: int, n_op: int = 1) -> int:
     """Parameters a pipeline stage of layers ``[lo, hi)`` holds: its blocks, the
     embeddings on the first stage, the final LayerNorm and LM head on the last. With tied
     embeddings a last stage that is not also the first holds its own copy of the shared
-    matrix (the runtime sums the two copies' gradients), so it counts here."""
-    embed = cfg.vocab_size * cfg.hidden + cfg.seq_len * cfg.hidden if lo == 0 else 0
+    matrix (the runtime sums the two copies' gradients), so it counts here.
+
+    With ``n_op`` > 1: what ONE rank of the stage's #Op group holds. The products and
+    the vocabulary (padded to a multiple of #Op) are split; LayerNorms, the position
+    table and the biases added after row-parallel products are whole on every rank."""
+    h = cfg.hidden
+    vocab_rows = -(-cfg.vocab_size // n_op)  # the padded vocabulary's rows per rank
+    split = 12 * h * h + 7 * h  # QKV, projection, FC1, FC2 and the column biases
+    layer = n_params_per_layer(cfg) if n_op == 1 else split // n_op + 6 * h
+    embed = vocab_rows * h + cfg.seq_len * h if lo == 0 else 0
     last = hi == cfg.n_layer
-    head_copy = cfg.vocab_size * cfg.hidden if last and not (cfg.tie_embeddings and lo == 0) else 0
-    final_norm = 2 * cfg.hidden if last else 0
-    return embed + (hi - lo) * n_params_per_layer(cfg) + final_norm + head_copy
+    head_copy = vocab_rows * h if last and not (cfg.tie_embeddings and lo == 0) else 0
+    final_norm = 2 * h if last else 0
+    return embed + (hi - lo) * layer + final_norm + head_copy

@@ -4,20 +4,44 @@ GPipe and TeraPipe keep the activations of the WHOLE minibatch until the backwar
 §3.4), beside the weights and the mixed-precision optimizer state. Token slicing changes
 only the attention scores kept: a slice of s tokens after c keeps s (c + s) scores per
 head, so a sequence sliced s_1..s_M keeps (L^2 + sum s_i^2) / 2 of them, not L^2.
+:func:`memory_per_gpu` prices the paper's implementation that way (Megatron, fp16,
+attention scores materialised), for the cluster model.
+
+:func:`stage_memory` applies the same accounting to tplib's own runtime, stage by stage:
+what each of its layers keeps for backward (:class:`Inventory`: fused attention keeps
+no scores, only a log-sum-exp per head), which units are alive at once under the
+schedule (replayed from its actions, so 1F1B's bounded in-flight units show), full
+recomputation (each unit keeps only its input; one unit's activations are rebuilt at a
+time inside its backward), the precision's bytes per parameter, and the K/V context
+buffers. The runtime measures the same quantities (:mod:`tplib.runtime.memory`); the
+test suite holds the two within 10%.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
-from tplib.config import GPTConfig, get_config, n_params_per_layer
-from tplib.plan import Plan
+from tplib.config import GPTConfig, get_config, n_params_per_layer, stage_params
+from tplib.plan import Plan, Unit
+from tplib.schedule import Action, Kind
 
-__all__ = ["ACT_ELEMS", "ACT_SCORE_BYTES", "STATE_BYTES", "MemoryEstimate", "memory_per_gpu"]
+__all__ = [
+    "ACT_ELEMS",
+    "ACT_SCORE_BYTES",
+    "RUNTIME_STATE_BYTES",
+    "STATE_BYTES",
+    "Inventory",
+    "MemoryEstimate",
+    "memory_per_gpu",
+    "peak_in_flight",
+    "runtime_inventory",
+    "stage_memory",
+]
 
 # Weights and optimizer state per parameter in mixed precision: fp16 weights and grads,
 # fp32 master weights and grads, Adam's m and v.
@@ -29,18 +53,31 @@ ACT_ELEMS = (5.0, 12.0)
 ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32)
 
 
+# tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
+# Adam's m and v; fp16 adds fp32 master weights and master gradients to fp16 ones.
+RUNTIME_STATE_BYTES = {
+    "fp32": FP32 + FP32 + FP32 + FP32,
+    "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
+    "fp16": FP16 + FP16 + FP32 + FP32 + FP32 + FP32,
+}
+ADAM_STEP_BYTES = FP32  # torch's AdamW keeps a float32 step counter per parameter tensor
+PARAM_TENSORS_PER_LAYER = 12  # 2 LayerNorms, QKV, projection, FC1, FC2: weight and bias each
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU: weights and optimizer state, stored activations, reserve."""
+    """Bytes per GPU: weights and optimizer state, stored activations, K/V context
+    buffers, reserve."""
 
     states: float
     activations: float
     reserve: float
     capacity: float
+    contexts: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.reserve
+        return self.states + self.activations + self.contexts + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -79,3 +116,104 @@ def memory_per_gpu(
     return MemoryEstimate(
         states, layers_per_stage * acts, calibration.memory_reserve, hardware.gpu_memory
     )
+
+
+# ---- tplib's runtime, stage by stage -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What one transformer layer keeps for backward, per token.
+
+    ``replicated``/``partitioned``: hidden-sized tensors, whole on every op rank or split
+    over #Op; ``norm_stats``: bytes of LayerNorm statistics; ``per_head``: bytes per
+    attention head (this rank's heads); ``element``: bytes per activation element.
+    """
+
+    replicated: float
+    partitioned: float
+    norm_stats: float
+    per_head: float
+    element: int
+
+
+def runtime_inventory(precision: str = "fp32") -> Inventory:
+    """tplib's block (:mod:`tplib.model`) as autograd sees it. Replicated: LN1's input and
+    output, LN2's input and output. Partitioned: the QKV product (q, k and v are views of
+    it), the attention output (the output projection reads a view of it), FC1's output
+    (GELU's input, 4H) and GELU's output (4H). Statistics: mean and 1/std of two
+    LayerNorms in fp32; per head: the attention's fp32 log-sum-exp. Row-parallel
+    products, residual adds and the #Op collectives keep nothing."""
+    element = FP32 if precision == "fp32" else FP16
+    return Inventory(4.0, 12.0, 2 * 2 * FP32, FP32, element)
+
+
+def peak_in_flight(
+    actions: Sequence[Action],
+    kept: Callable[[Unit], float],
+    rebuilt: Callable[[Unit], float] | None = None,
+) -> float:
+    """The most bytes a stage keeps for backward at once under its ``actions``: ``kept(u)``
+    from unit u's forward to its backward, plus, with recomputation, ``rebuilt(u)``
+    while u's backward runs."""
+    alive: dict[Unit, float] = {}
+    peak = 0.0
+    for action in actions:
+        if action.kind is Kind.F:
+            alive[action.unit] = kept(action.unit)
+            peak = max(peak, sum(alive.values()))
+        elif action.kind is Kind.B:
+            if rebuilt is not None:
+                peak = max(peak, sum(alive.values()) + rebuilt(action.unit))
+            alive.pop(action.unit, None)
+    return peak
+
+
+def stage_memory(
+    cfg: GPTConfig,
+    lo: int,
+    hi: int,
+    *,
+    plan: Plan,
+    actions: Sequence[Action],
+    n_op: int = 1,
+    recompute: str = "none",
+    precision: str = "fp32",
+    capacity: float = float("inf"),
+) -> MemoryEstimate:
+    """Peak memory of one rank of stage ``[lo, hi)`` in tplib's runtime, running ``plan``
+    in the order of its ``actions`` (see the module docstring)."""
+    inv = runtime_inventory(precision)
+    h, e = cfg.hidden, inv.element
+    first, last = lo == 0, hi == cfg.n_layer
+    vocab_rows = -(-cfg.vocab_size // n_op)
+    per_token_layer = (
+        inv.replicated * h * e
+        + inv.partitioned * h / n_op * e
+        + inv.norm_stats
+        + inv.per_head * cfg.n_head / n_op
+    )
+    # Beyond the layers: a middle stage's output waits for its backward; the last keeps
+    # ln_f's input, output and statistics and the cross-entropy's fp32 softmax.
+    extra = 2 * h * e + 2 * FP32 + vocab_rows * FP32 if last else h * e
+    per_token = (hi - lo) * per_token_layer + extra
+    own_input = 0.0 if first else h * e  # counted in the layers: LN1 keeps it
+
+    def tokens(u: Unit) -> int:
+        return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
+
+    if recompute == "full":
+        acts = peak_in_flight(
+            actions,
+            kept=lambda u: tokens(u) * own_input,
+            rebuilt=lambda u: tokens(u) * (per_token - own_input - (0 if last else h * e)),
+        )
+    else:
+        acts = peak_in_flight(actions, kept=lambda u: tokens(u) * per_token)
+    params = stage_params(cfg, lo, hi, n_op=n_op)
+    tensors = (hi - lo) * PARAM_TENSORS_PER_LAYER + 2 * first + 3 * last
+    tensors -= int(first and last and cfg.tie_embeddings)  # one shared embedding
+    states = params * RUNTIME_STATE_BYTES[precision] + tensors * ADAM_STEP_BYTES
+    context_element = FP32 if precision == "fp32" else FP16
+    contexts = 4 * (hi - lo) * plan.batch * plan.seq_len * h / n_op * context_element
+    return MemoryEstimate(states, acts, 0.0, capacity, contexts)
