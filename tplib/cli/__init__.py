@@ -7,7 +7,9 @@ command        what it does
 ``plan``       the DP planner on a saved profile or a paper setting, beside the best
                uniform slicing
 ``simulate``   a paper setting with and without TeraPipe on the simulated V100 cluster
-``bench``      train iterations of a schedule on local processes: latency and overhead
+``bench``      train iterations of a schedule on local processes: latency, overhead and
+               each stage's peak memory beside the memory model's
+``run``        write the torchrun config of a Table-1 setting and print how to launch it
 ``table``      one paper table in simulate or measure mode, without Jupyter
 ``reproduce``  every table notebook under papermill (resumable), then the summary
 =============  ===========================================================================
@@ -24,7 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from tplib.cli.planning import plan_command, profile_command, simulate_command
-from tplib.cli.runs import bench_command, reproduce_command, table_command
+from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
 from tplib.tables import TABLE_NAMES
 
@@ -84,12 +86,28 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--slices", type=int, default=1, help="equal token slices per sequence")
     p.add_argument("--model", default="small", help="named config (default small)")
     p.add_argument("--data", type=int, default=1, help="#Data: data-parallel replicas")
+    p.add_argument("--op", type=int, default=1, help="#Op: operation-partitioning ranks/stage")
+    p.add_argument("--recompute", default="none", help="none or full (recompute in backward)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--iters", type=int, default=5, help="timed iterations")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     p.add_argument("--timeout", type=float, default=300.0, help="communication timeout, s")
     p.add_argument("--threads", type=int, help="torch threads per process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=bench_command)
+
+    p = sub.add_parser("run", help="write a Table-1 setting's torchrun config for GPU nodes")
+    p.add_argument("--setting", type=int, required=True, help="Table 1 row, 1..10")
+    p.add_argument("--plan", default="cluster", help="cluster, paper, gpipe or a profile JSON")
+    p.add_argument("--seq-len", type=int, help="Table 4's L for setting 5")
+    p.add_argument("--dtype", default="fp16", help="fp16 (default, as the paper), bf16, fp32")
+    p.add_argument("--recompute", default="none", help="none or full")
+    p.add_argument("--steps", type=int, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--out", default="run.json", help="the config file to write")
+    p.add_argument("--result", default="result.pt", help="where rank 0 writes the results")
+    p.set_defaults(func=run_command)
 
     p = sub.add_parser("table", help="one paper table, printed (and saved with --out)")
     p.add_argument("name", choices=TABLE_NAMES)

@@ -1,5 +1,6 @@
-"""The commands that run things: ``bench`` (the runtime on local processes), ``table``
-(one paper table without Jupyter) and ``reproduce`` (every table notebook)."""
+"""The commands that run things: ``bench`` (the runtime on local processes), ``run`` (a
+Table-1 setting's torchrun config for GPU nodes), ``table`` (one paper table without
+Jupyter) and ``reproduce`` (every table notebook)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_command", "reproduce_command", "table_command"]
+__all__ = ["bench_command", "reproduce_command", "run_command", "table_command"]
 
 
 def _json_arg(text: str | None, what: str) -> dict[str, Any]:
@@ -33,6 +34,10 @@ def bench_command(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         n_stages=args.stages,
         n_data=args.data,
+        n_op=args.op,
+        recompute=args.recompute,
+        precision=args.dtype,
+        device=args.device,
         batch=args.batch,
         seq_len=args.seq_len,
         slicing=args.slices,
@@ -46,9 +51,12 @@ def bench_command(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
         return 0
     print(
-        f"{run.schedule}: {run.model}, K={run.n_stages}, #Data={run.n_data}, B={run.batch}, "
-        f"L={run.seq_len}, plan {result.plan}"
+        f"{run.schedule}: {run.model}, K={run.n_stages}, #Data={run.n_data}, #Op={run.n_op}, "
+        f"B={run.batch}, L={run.seq_len}, recompute={run.recompute}, {run.precision} on "
+        f"{run.device}, plan {result.plan}"
     )
+    if run.padded_vocab != run.cfg.vocab_size:
+        print(f"  vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")
     print(
         f"  median iteration latency {result.median_latency_s:.4f} s over {result.iterations} "
         f"iterations (mean {result.latency_mean_s:.4f} ± {result.latency_std_s:.4f})"
@@ -57,6 +65,14 @@ def bench_command(args: argparse.Namespace) -> int:
         f"  busiest stage's own work {result.busiest_work_s:.4f} s; "
         f"runtime overhead {result.overhead_s:.4f} s"
     )
+    mib = 2**20
+    for k, (got, want) in enumerate(
+        zip(result.stage_peak_bytes, result.modelled_peak_bytes, strict=True)
+    ):
+        print(
+            f"  stage {k} peak memory {got / mib:.2f} MiB ({result.memory_source}); "
+            f"model {want / mib:.2f} MiB ({want / got - 1:+.1%})"
+        )
     return 0
 
 
@@ -94,4 +110,31 @@ def reproduce_command(args: argparse.Namespace) -> int:
         f"in this run); summary in {report.summary_path}\n"
     )
     print(report.summary)
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from tplib.runtime import save_run_config
+    from tplib.runtime.layouts import launch_commands, setting_run
+
+    run = setting_run(
+        args.setting,
+        plan=args.plan,
+        seq_len=args.seq_len,
+        precision=args.dtype,
+        recompute=args.recompute,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
+    save_run_config(run, args.out)
+    print(
+        f"setting ({args.setting}): {run.model}, L={run.seq_len}, B={run.batch}, "
+        f"#Data={run.n_data} x #Pipe={run.n_stages} x #Op={run.n_op} = {run.world_size} GPUs, "
+        f"{run.precision}, recompute={run.recompute}, {run.schedule} plan {run.plan.to_paper()}"
+    )
+    if run.padded_vocab != run.cfg.vocab_size:
+        print(f"vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")
+    print(f"wrote {args.out}; on every node (HEAD_NODE: the first node's address):")
+    commands = launch_commands(run, args.out, args.result)
+    print(f"  {commands['torchrun']}\nor under SLURM:\n  {commands['slurm']}")
     return 0

@@ -1,10 +1,12 @@
-"""Iteration-latency benchmark of the real runtime on local processes.
+"""Iteration-latency and memory benchmark of the real runtime on local processes.
 
 :func:`bench` trains a few iterations after warm-up and reports the median iteration
 latency and the runtime's overhead: measured latency minus the busiest stage's own work
 (its forwards, backwards and optimizer step, from the trace). The overhead is what
 pipelining costs beyond the unavoidable work of the slowest stage: bubbles,
-communication and bookkeeping.
+communication and bookkeeping. Beside the latency it reports each stage's measured peak
+memory and what the analytic model (:func:`tplib.cluster.memory.stage_memory`) predicts
+for the same configuration.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
+from tplib.cluster.memory import MemoryEstimate, stage_memory
 from tplib.runtime.config import RunConfig
 from tplib.runtime.pool import RunResult, launch
 from tplib.schedule import LOCAL_WORK
 
-__all__ = ["BenchResult", "bench", "busiest_stage_work"]
+__all__ = ["BenchResult", "bench", "busiest_stage_work", "modelled_memory"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,10 @@ class BenchResult:
     model: str
     n_stages: int
     n_data: int
+    n_op: int
+    recompute: str
+    precision: str
+    device: str
     batch: int
     seq_len: int
     n_slices: int
@@ -37,6 +44,10 @@ class BenchResult:
     latency_std_s: float
     busiest_work_s: float
     overhead_s: float
+    memory_source: str  # "counted" (CPU) or "allocator" (CUDA)
+    stage_peak_bytes: tuple[int, ...]  # measured, the largest rank of each stage
+    modelled_peak_bytes: tuple[float, ...]  # the analytic model's, each stage
+    memory_error: float  # the largest |modelled / measured - 1| over the stages
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -50,17 +61,41 @@ def busiest_stage_work(trace: pd.DataFrame) -> pd.Series:
     return per_rank.groupby(level=0).max()
 
 
+def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
+    """The analytic model's peak memory of one rank of each stage of ``run``."""
+    return [
+        stage_memory(
+            run.cfg,
+            lo,
+            hi,
+            plan=run.plan,
+            actions=run.schedule_data.actions[k],
+            n_op=run.n_op,
+            recompute=run.recompute,
+            precision=run.precision,
+        )
+        for k, (lo, hi) in enumerate(run.ranges)
+    ]
+
+
 def bench(run: RunConfig, result: RunResult | None = None) -> BenchResult:
     """Run ``run`` on local processes (unless a ``result`` is given) and summarise it."""
     result = result or launch(run)
     latencies = result.iteration_s
     busiest = busiest_stage_work(result.trace)
     overhead = [lat - busiest[i] for i, lat in enumerate(latencies)]
+    measured = result.stage_peak_bytes()
+    modelled = [m.total for m in modelled_memory(run)]
+    sources = {r.memory.source for r in result.ranks if r.memory is not None}
     return BenchResult(
         schedule=run.schedule,
         model=run.model,
         n_stages=run.n_stages,
         n_data=run.n_data,
+        n_op=run.n_op,
+        recompute=run.recompute,
+        precision=run.precision,
+        device=run.device,
         batch=run.batch,
         seq_len=run.seq_len,
         n_slices=max(len(ts) for ts in run.plan.token_slices),
@@ -71,4 +106,8 @@ def bench(run: RunConfig, result: RunResult | None = None) -> BenchResult:
         latency_std_s=statistics.stdev(latencies) if len(latencies) > 1 else 0.0,
         busiest_work_s=statistics.median(busiest.tolist()),
         overhead_s=statistics.median(overhead),
+        memory_source="/".join(sorted(sources)),
+        stage_peak_bytes=tuple(measured),
+        modelled_peak_bytes=tuple(modelled),
+        memory_error=max(abs(m / x - 1) for m, x in zip(modelled, measured, strict=True)),
     )

@@ -36,8 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="results file written by rank 0 (torch.save)")
     args = p.parse_args(argv)
     run = load_run_config(args.config)  # every input error surfaces here, on every rank
-    backend = "nccl" if run.device == "cuda" else "gloo"
-    if backend == "nccl":
+    run.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if run.ranks_per_node and per_node and per_node != run.ranks_per_node:
+        raise ValueError(
+            f"torchrun started {per_node} processes per node, but the run's layout puts "
+            f"{run.ranks_per_node} on each (ranks_per_node): pass --nproc-per-node "
+            f"{run.ranks_per_node} so each stage's #Op ranks share a node"
+        )
+    # NCCL with a GPU per process; gloo on CPU, or when processes share a GPU (staged).
+    gpus = torch.cuda.device_count() if run.device == "cuda" else 0
+    backend = "nccl" if gpus and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
+    if run.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.timeout_s))
     rank = dist.get_rank()
