@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SOURCES := tplib tests scripts
 
-.PHONY: all test reproduce lab lint format bench clean
+.PHONY: all test reproduce lab lint format bench gpu-check clean
 
 all: test
 
@@ -31,6 +31,11 @@ reproduce: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_slicing.py
+
+# On an NVIDIA GPU: device info, the CUDA exactness tests, a multi-rank run and Figure 3,
+# into results/gpu/. Without a GPU it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py --out results/gpu
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
