@@ -12,13 +12,27 @@ it across nodes with torchrun, directly or under SLURM.
 from __future__ import annotations
 
 import shlex
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tplib.paper import TERAPIPE, main_row, setting
 from tplib.plan import Plan
-from tplib.runtime.config import RunConfig
+from tplib.runtime.config import RunConfig, save_run_config
+from tplib.runtime.pool import RunResult
 
-__all__ = ["PLAN_SOURCES", "launch_commands", "setting_plan", "setting_run"]
+__all__ = [
+    "LAUNCHERS",
+    "PLAN_SOURCES",
+    "Launch",
+    "launch_commands",
+    "run_on_nodes",
+    "setting_plan",
+    "setting_run",
+]
 
 PLAN_SOURCES = ("cluster", "paper", "gpipe")  # or the path of a measured profile
 GPUS_PER_NODE = 8  # p3.16xlarge, the paper's nodes
@@ -95,7 +109,8 @@ def setting_run(
 
 def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
     """How to start ``run`` (saved as ``config``) on its nodes: a torchrun line for
-    every node, and the same under SLURM (one task per node)."""
+    every node, and the same under SLURM (``scripts/slurm/tplib-run.sbatch``: one
+    torchrun per node)."""
     per_node = run.ranks_per_node or GPUS_PER_NODE
     nodes = -(-run.world_size // per_node)
     module = f"-m tplib.runtime.torchrun --config {shlex.quote(config)} --out {shlex.quote(out)}"
@@ -104,10 +119,95 @@ def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
         f"--rdzv-endpoint $HEAD_NODE:29500 {module}"
     )
     slurm = (
-        f"srun --nodes {nodes} --ntasks-per-node 1 --gpus-per-node {per_node} "
-        f"bash -c 'torchrun --nnodes $SLURM_NNODES --nproc-per-node {per_node} "
-        f"--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d "
-        f'--rdzv-endpoint "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)":29500 '
-        f"{module}'"
+        f"sbatch --nodes={nodes} scripts/slurm/tplib-run.sbatch "
+        f"{shlex.quote(config)} {shlex.quote(out)}"
     )
     return {"torchrun": torchrun, "slurm": slurm}
+
+
+# The command that starts one run; {python}, {nodes}, {nproc}, {config} and {out} are
+# filled in. "srun": one torchrun per node of the current SLURM allocation; "local": one
+# torchrun on this machine (a single node, or a scaled-down run).
+LAUNCHERS = {
+    "srun": (
+        "srun --kill-on-bad-exit=1 --nodes {nodes} --ntasks-per-node 1 {python} -m "
+        "torch.distributed.run --nnodes {nodes} --nproc-per-node {nproc} "
+        "--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint "
+        '"$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)":29500 '
+        "-m tplib.runtime.torchrun --config {config} --out {out}"
+    ),
+    "local": (
+        "{python} -m torch.distributed.run --standalone --nproc-per-node {nproc} "
+        "-m tplib.runtime.torchrun --config {config} --out {out}"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a table's runs start on GPU nodes: a launcher of :data:`LAUNCHERS` (or a
+    ``command`` template of your own with the same fields), the processes per node, a
+    folder for configs and results, and a time limit per run."""
+
+    launcher: str = "srun"
+    command: str = ""
+    nproc_per_node: int = 8
+    workdir: str = "results/runs"
+    timeout_s: float = 4 * 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.command and self.launcher not in LAUNCHERS:
+            raise ValueError(
+                f"launcher={self.launcher!r}: choose one of {sorted(LAUNCHERS)} or give a "
+                "command template with {config} and {out}"
+            )
+        template = self.command or LAUNCHERS[self.launcher]
+        if "{config}" not in template or "{out}" not in template:
+            raise ValueError(f"launch command {template!r} must contain {{config}} and {{out}}")
+        if self.nproc_per_node < 1 or not self.timeout_s > 0:
+            raise ValueError(
+                f"nproc_per_node={self.nproc_per_node}, timeout_s={self.timeout_s}: "
+                "need at least one process per node and a positive time limit"
+            )
+
+    @classmethod
+    def of(cls, value: Launch | Mapping[str, Any]) -> Launch:
+        return value if isinstance(value, Launch) else cls(**dict(value))
+
+    def command_for(self, run: RunConfig, config: Path, out: Path) -> str:
+        per_node = min(self.nproc_per_node, run.world_size)
+        return (self.command or LAUNCHERS[self.launcher]).format(
+            python=shlex.quote(sys.executable),
+            nodes=-(-run.world_size // per_node),
+            nproc=per_node,
+            config=shlex.quote(str(config)),
+            out=shlex.quote(str(out)),
+        )
+
+
+def run_on_nodes(run: RunConfig, launch: Launch, name: str) -> RunResult:
+    """Start ``run`` with ``launch`` (its config and results named ``name`` in the
+    launch's folder), wait for it, and return the gathered results. A failed or timed-out
+    run raises ``RuntimeError`` with the end of its output."""
+    from tplib.runtime.torchrun import load_result
+
+    folder = Path(launch.workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    config, out = folder / f"{name}.json", folder / f"{name}.pt"
+    save_run_config(run, config)
+    command = launch.command_for(run, config, out)
+    try:
+        done = subprocess.run(
+            command,
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=launch.timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{name}: `{command}` ran past {launch.timeout_s:g} s") from exc
+    if done.returncode != 0 or not out.exists():
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise RuntimeError(f"{name}: `{command}` failed (exit {done.returncode}):\n{tail}")
+    return load_result(out)

@@ -7,7 +7,8 @@ the gathered results::
 ``run.json`` holds the :class:`~tplib.runtime.RunConfig` fields, as
 :func:`~tplib.runtime.save_run_config` writes them; ``device`` should be ``"cuda"``
 (NCCL) on GPU nodes. The results file (``torch.save`` of the config and every rank's
-:class:`~tplib.runtime.RankResult`) is written atomically.
+:class:`~tplib.runtime.RankResult`) is written atomically; :func:`load_result` reads it
+back as a :class:`~tplib.runtime.RunResult`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import torch
 import torch.distributed as dist
 
 from tplib.files import atomic_write
-from tplib.runtime.config import load_run_config, run_config_to_dict
+from tplib.runtime.config import load_run_config, run_config_from_dict, run_config_to_dict
 from tplib.runtime.pool import RunResult
 from tplib.runtime.worker import RankResult, run_worker
 
-__all__ = ["main"]
+__all__ = ["load_result", "main"]
+
+
+def load_result(path: str | os.PathLike[str]) -> RunResult:
+    """The :class:`RunResult` a torchrun job wrote to ``path``."""
+    payload = torch.load(path, weights_only=False)  # our own file: configs and dataclasses
+    return RunResult(run_config_from_dict(payload["config"]), payload["ranks"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     # NCCL with a GPU per process; gloo on CPU, or when processes share a GPU (staged).
     gpus = torch.cuda.device_count() if run.device == "cuda" else 0
     backend = "nccl" if gpus and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
-    if run.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if gpus:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.timeout_s))
     rank = dist.get_rank()
     result = run_worker(run, rank)

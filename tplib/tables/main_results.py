@@ -69,11 +69,28 @@ def measure(
     link: Sequence[float] | None = None,
     pool: LocalPool | None = None,
     progress: bool = True,
+    settings: Sequence[int] = (),
+    launch: Mapping[str, Any] | None = None,
+    plan: str = "cluster",
+    precision: str = "fp16",
 ) -> Rows:
     """Table 2 at CPU scale: at every pipeline batch B in ``batches``, GPipe with
     microbatches of one sequence against TeraPipe's DP plan, both measured and simulated.
     One profile (batch slices of up to ``max(profiling.batch_slice_sizes)`` sequences,
-    the DP's choice) serves every B."""
+    the DP's choice) serves every B.
+
+    On GPU nodes: with ``settings`` and a ``launch`` description, those Table 1 rows
+    instead, at full scale (see :mod:`tplib.tables.nodes`; ``plan`` is the TeraPipe
+    plan's source, ``precision`` the runs' numeric format)."""
+    if settings or launch is not None:
+        if not settings or launch is None:
+            raise ValueError(
+                f"settings={list(settings)} and launch={launch!r}: measuring Table 1 rows on "
+                "GPU nodes needs both the settings and how to launch them"
+            )
+        from tplib.tables.nodes import run_settings
+
+        return Rows(run_settings(settings, launch, plan=plan, precision=precision, steps=iters))
     from tplib.measure.harness import measured_bench  # starts processes: torch
 
     prof = Profiling.of(profiling)
@@ -104,11 +121,20 @@ TABLE = Table(
         ),
         "measure": TableMode(
             measure,
-            figure=lambda rows: plots.measured_figure(rows.df, "pipeline_batch"),
-            findings=findings.measured,
-            columns="pipeline_batch latency_gpipe latency_gpipe_std simulated_latency_gpipe "
-            "latency_terapipe latency_terapipe_std simulated_latency_terapipe speedup "
-            "simulated_speedup plan",
+            figure=lambda rows: (
+                plots.main_results_figure(rows.df)
+                if "setting" in rows.df
+                else plots.measured_figure(rows.df, "pipeline_batch")
+            ),
+            findings=lambda df: (
+                findings.speedup_targets(df, "setting")
+                if "setting" in df
+                else findings.measured(df)
+            ),
+            columns="setting model pipeline_batch latency_gpipe latency_gpipe_std "
+            "simulated_latency_gpipe paper_latency_gpipe latency_terapipe latency_terapipe_std "
+            "simulated_latency_terapipe paper_latency_terapipe speedup simulated_speedup "
+            "paper_speedup err_speedup tflops_per_gpu peak_memory_gib_terapipe plan",
             compare=Comparison(("pipeline_batch",), "speedup"),
         ),
     },

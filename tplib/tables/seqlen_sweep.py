@@ -59,11 +59,24 @@ def measure(
     link: Sequence[float] | None = None,
     pool: LocalPool | None = None,
     progress: bool = True,
+    launch: Mapping[str, Any] | None = None,
+    plan: str = "cluster",
+    precision: str = "fp16",
 ) -> Rows:
     """Table 4 at CPU scale: L growing while the pipeline batch shrinks (pairs of
     ``seq_lens`` and ``batches``), GPipe against TeraPipe's DP plan, measured and
     simulated. Each L is profiled once, on a grid of ``n_grid`` slice lengths (or of
-    ``profiling.granularity`` tokens), and shared by both schedules."""
+    ``profiling.granularity`` tokens), and shared by both schedules.
+
+    On GPU nodes: with a ``launch`` description, setting (5) at each of ``seq_lens``
+    (the paper's 2048..8192; ``batches`` are then the paper's) at full scale (see
+    :mod:`tplib.tables.nodes`)."""
+    if launch is not None:
+        from tplib.tables.nodes import run_settings
+
+        return Rows(
+            run_settings([(5, L) for L in seq_lens], launch, plan=plan, precision=precision)
+        )
     if len(seq_lens) != len(batches):
         raise ValueError(
             f"seq_lens {list(seq_lens)} and batches {list(batches)} differ in length: "
@@ -100,11 +113,20 @@ TABLE = Table(
         ),
         "measure": TableMode(
             measure,
-            figure=lambda rows: plots.measured_figure(rows.df, "seq_len"),
-            findings=findings.measured,
+            figure=lambda rows: (
+                plots.seqlen_figure(rows.df)
+                if "paper_speedup" in rows.df
+                else plots.measured_figure(rows.df, "seq_len")
+            ),
+            findings=lambda df: (
+                findings.speedup_targets(df, "seq_len")
+                if "paper_speedup" in df
+                else findings.measured(df)
+            ),
             columns="seq_len pipeline_batch latency_gpipe latency_gpipe_std "
             "simulated_latency_gpipe latency_terapipe latency_terapipe_std "
-            "simulated_latency_terapipe speedup simulated_speedup plan",
+            "simulated_latency_terapipe speedup simulated_speedup paper_speedup err_speedup "
+            "tflops_per_gpu peak_memory_gib_terapipe plan",
             compare=Comparison(("seq_len",), "speedup", None, ("pipeline_batch",)),
         ),
     },

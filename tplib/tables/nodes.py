@@ -1,0 +1,100 @@
+"""Measure mode at the paper's scale: each Table-1 setting trained for real on GPU nodes.
+
+Where the CPU measure mode times a scaled-down model on this machine, this runs a
+setting exactly as Table 1 lays it out (:meth:`RunConfig.for_setting
+<tplib.runtime.RunConfig.for_setting>`): GPipe with microbatches of one sequence, and
+TeraPipe with the DP planner's plan (from the cluster model, the paper's printed plan,
+or a profile measured on the GPUs at hand). Each run is started with a
+:class:`~tplib.runtime.layouts.Launch` (``srun`` inside a SLURM allocation by default),
+and the row holds the measured median latencies, the speedup, the paper's TFLOPS per
+GPU formula, the largest stage's peak memory, and the paper's own values beside them,
+in the columns the simulated table uses, so the same figure and findings apply.
+
+The table notebooks take it as measure-mode parameters, e.g. for papermill on the
+allocation's first node::
+
+    -p mode measure -y 'params: {settings: [9], launch: {launcher: srun}}'
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+from tplib.paper import GPIPE, TERAPIPE, main_row, seqlen_row, setting
+from tplib.tables.settings import beside_paper, tflops_per_gpu
+
+__all__ = ["measured_row", "run_settings"]
+
+
+def measured_row(n: int, seq_len: int | None, gpipe: Any, terapipe: Any) -> dict[str, object]:
+    """The row of setting ``n`` (at ``seq_len``) from its two runs' results
+    (:class:`~tplib.runtime.RunResult`), beside the paper's."""
+    s = setting(n, seq_len)
+    lat_g, lat_t = gpipe.median_latency_s, terapipe.median_latency_s
+    row: dict[str, object] = {
+        "setting": n,
+        "model": s.model,
+        "seq_len": s.seq_len,
+        "pipeline_batch": s.pipeline_batch,
+        "n_stages": s.n_stages,
+        "n_op": s.n_op,
+        "n_data": s.n_data,
+        "latency_gpipe": lat_g,
+        "latency_gpipe_std": statistics.pstdev(gpipe.iteration_s),
+        "latency_terapipe": lat_t,
+        "latency_terapipe_std": statistics.pstdev(terapipe.iteration_s),
+        "speedup": lat_g / lat_t,
+        "tflops_gpipe": tflops_per_gpu(s, lat_g),
+        "tflops_per_gpu": tflops_per_gpu(s, lat_t),
+        "plan": terapipe.config.plan.to_paper(),
+        "precision": terapipe.config.precision,
+        "peak_memory_gib_gpipe": max(gpipe.stage_peak_bytes()) / 2**30,
+        "peak_memory_gib_terapipe": max(terapipe.stage_peak_bytes()) / 2**30,
+    }
+    if seq_len is None or seq_len == setting(n).seq_len:
+        paper = (main_row(n, GPIPE), main_row(n, TERAPIPE))
+    else:
+        paper = (seqlen_row(s.seq_len, GPIPE), seqlen_row(s.seq_len, TERAPIPE))
+    return beside_paper(row, *paper)
+
+
+def run_settings(
+    settings: Iterable[int | tuple[int, int]],
+    launch: Mapping[str, Any] | Any,
+    *,
+    plan: str = "cluster",
+    precision: str = "fp16",
+    recompute: str = "none",
+    steps: int = 10,
+    warmup: int = 2,
+) -> pd.DataFrame:
+    """Run every setting (``n``, or ``(n, seq_len)`` for Table 4) with and without
+    TeraPipe on GPU nodes, one row each. Every config is made (and checked) before the
+    first run starts."""
+    from tplib.runtime import RunConfig  # torch: only when runs are asked for
+    from tplib.runtime.layouts import Launch, run_on_nodes
+
+    how = Launch.of(launch)
+    jobs = []
+    for item in settings:
+        n, seq_len = item if isinstance(item, tuple) else (item, None)
+        options = dict(precision=precision, recompute=recompute, steps=steps, warmup=warmup)
+        gpipe = RunConfig.for_setting(n, plan="gpipe", seq_len=seq_len, **options)
+        tera = RunConfig.for_setting(n, plan=plan, seq_len=seq_len, **options)
+        jobs.append((n, seq_len, gpipe, tera))
+    rows = []
+    for n, seq_len, gpipe, tera in jobs:
+        tag = f"setting{n}" + (f"-L{seq_len}" if seq_len else "")
+        rows.append(
+            measured_row(
+                n,
+                seq_len,
+                run_on_nodes(gpipe, how, f"{tag}-gpipe"),
+                run_on_nodes(tera, how, f"{tag}-terapipe"),
+            )
+        )
+    return pd.DataFrame(rows)
