@@ -144,3 +144,24 @@ def test_bad_layouts_are_named() -> None:
         ClusterCostModel("GPT3-13B", n_stages=7)
     with pytest.raises(ValueError, match="inside a node"):
         ClusterCostModel("GPT3-13B", n_stages=40, n_op=3)
+
+
+def test_recomputation_costs_a_forward_and_saves_activations() -> None:
+    s = SETTINGS[5]
+    plain = ClusterCostModel.for_setting(s)
+    again = ClusterCostModel(
+        s.config, n_stages=s.n_stages, n_op=s.n_op, n_data=s.n_data, recompute="full"
+    )
+    length, context = np.array([256.0, 2048.0]), np.array([512.0, 0.0])
+    fwd, bwd = plain.stage_times(1, length, context)
+    fwd2, bwd2 = again.stage_times(1, length, context)
+    np.testing.assert_array_equal(fwd2, fwd)
+    np.testing.assert_allclose(bwd2, bwd + fwd)
+    p = Plan.gpipe(s.pipeline_batch, s.seq_len)
+    kept, rebuilt = plain.memory(p), again.memory(p)
+    assert kept.states == rebuilt.states
+    # Each of the 16 sequences keeps only its fp16 input; one is rebuilt at a time.
+    inputs = s.pipeline_batch * s.seq_len * s.config.hidden * 2
+    assert rebuilt.activations == pytest.approx(inputs + kept.activations / s.pipeline_batch)
+    with pytest.raises(ValueError, match=r"recompute='some'"):
+        ClusterCostModel(s.config, n_stages=s.n_stages, recompute="some")

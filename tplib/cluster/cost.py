@@ -52,7 +52,8 @@ class ClusterCostModel:
     """Costs of one pipeline layout on p3.16xlarge nodes (see the module docstring).
 
     ``model``: a config or its name; ``n_stages`` (K), ``n_op`` (#Op) and ``n_data``
-    (#Data) as in Table 1; ``seq_len`` (L) bounds context + slice length.
+    (#Data) as in Table 1; ``seq_len`` (L) bounds context + slice length; ``recompute``
+    ("none" or "full") as the runtime's.
     """
 
     max_batch_slice_size: int | None = None  # analytic: it prices any batch slice
@@ -68,7 +69,11 @@ class ClusterCostModel:
         seq_len: int | None = None,
         calibration: Calibration = CALIBRATION,
         hardware: Hardware = P3_16XLARGE,
+        recompute: str = "none",
     ) -> None:
+        if recompute not in ("none", "full"):
+            raise ValueError(f"recompute={recompute!r} is not a recompute mode: none or full")
+        self.recompute = recompute
         self.cfg = get_config(model) if isinstance(model, str) else model
         self.seq_len = seq_len or self.cfg.seq_len
         check_layout(self.cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware)
@@ -140,13 +145,13 @@ class ClusterCostModel:
         self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Compute seconds of one stage (N/K layers) for a slice: (forward, backward),
-        without the broadcast of received tensors inside the #Op group."""
+        without the broadcast of received tensors inside the #Op group. With full
+        recomputation the backward runs the forward again first."""
         fwd, bwd = self.layer_times(batch_slice_size, length, context)
         floor = self.host_floor
-        return (
-            self.layers_per_stage * np.maximum(fwd, floor),
-            self.layers_per_stage * np.maximum(bwd, self.cal.backward_floor * floor),
-        )
+        fwd = self.layers_per_stage * np.maximum(fwd, floor)
+        bwd = self.layers_per_stage * np.maximum(bwd, self.cal.backward_floor * floor)
+        return fwd, bwd + fwd if self.recompute == "full" else bwd
 
     def _op_broadcast(self, nbytes: np.ndarray) -> np.ndarray:
         if self.n_op == 1:
@@ -274,4 +279,5 @@ class ClusterCostModel:
             plan=plan,
             calibration=self.cal,
             hardware=self.hw,
+            recompute=self.recompute,
         )

@@ -100,22 +100,29 @@ def memory_per_gpu(
     plan: Plan,
     calibration: Calibration = CALIBRATION,
     hardware: Hardware = P3_16XLARGE,
+    recompute: str = "none",
 ) -> MemoryEstimate:
     """Memory of one GPU of a stage: mixed-precision states (:data:`STATE_BYTES` per
-    parameter) and the activations of the whole minibatch (see the module docstring)."""
+    parameter) and the activations of the whole minibatch (see the module docstring).
+    With ``recompute="full"`` a stage keeps only each unit's input (fp16 hidden states)
+    and rebuilds one unit's activations at a time inside its backward."""
     cfg = get_config(model) if isinstance(model, str) else model
     layers_per_stage = cfg.n_layer // n_stages
     states = STATE_BYTES * layers_per_stage * n_params_per_layer(cfg) / n_op
     rep, part = ACT_ELEMS
-    acts = plan.batch * plan.seq_len * cfg.hidden * FP16 * (rep + part / n_op)
-    scores = 0.0
+    per_token = cfg.hidden * FP16 * (rep + part / n_op)
+    score_bytes = cfg.n_head / n_op * ACT_SCORE_BYTES
+    units = []  # (tokens, attention scores) of each unit
     for size, slices in zip(plan.batch_slices, plan.token_slices, strict=True):
         s = np.asarray(slices, dtype=float)
-        scores += size * float(np.sum(s * np.cumsum(s)))  # s * (context + s)
-    acts += cfg.n_head / n_op * scores * ACT_SCORE_BYTES
-    return MemoryEstimate(
-        states, layers_per_stage * acts, calibration.memory_reserve, hardware.gpu_memory
-    )
+        units += [(size * a, size * a * c) for a, c in zip(s, np.cumsum(s), strict=True)]
+    if recompute == "full":
+        inputs = plan.batch * plan.seq_len * cfg.hidden * FP16
+        rebuilt = max(layers_per_stage * (t * per_token + sc * score_bytes) for t, sc in units)
+        acts = inputs + rebuilt
+    else:
+        acts = layers_per_stage * sum(t * per_token + sc * score_bytes for t, sc in units)
+    return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
 
 
 # ---- tplib's runtime, stage by stage -------------------------------------------------------
