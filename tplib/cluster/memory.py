@@ -130,18 +130,21 @@ def memory_per_gpu(
 
 @dataclass(frozen=True)
 class Inventory:
-    """What one transformer layer keeps for backward, per token.
+    """What one transformer layer keeps for backward, in bytes per token.
 
-    ``replicated``/``partitioned``: hidden-sized tensors, whole on every op rank or split
-    over #Op; ``norm_stats``: bytes of LayerNorm statistics; ``per_head``: bytes per
-    attention head (this rank's heads); ``element``: bytes per activation element.
+    ``replicated``/``partitioned``: bytes per hidden element of the tensors kept whole on
+    every op rank / split over #Op; ``norm_stats``: LayerNorm statistics; ``per_head``:
+    per attention head of this rank; ``hidden``: bytes of a residual-stream element (what
+    a stage receives and sends); ``weight_copy``: bytes per product weight of a cast
+    copy kept for backward (autocast), once per iteration.
     """
 
     replicated: float
     partitioned: float
     norm_stats: float
     per_head: float
-    element: int
+    hidden: int
+    weight_copy: float = 0.0
 
 
 def runtime_inventory(precision: str = "fp32") -> Inventory:
@@ -150,9 +153,16 @@ def runtime_inventory(precision: str = "fp32") -> Inventory:
     it), the attention output (the output projection reads a view of it), FC1's output
     (GELU's input, 4H) and GELU's output (4H). Statistics: mean and 1/std of two
     LayerNorms in fp32; per head: the attention's fp32 log-sum-exp. Row-parallel
-    products, residual adds and the #Op collectives keep nothing."""
-    element = FP32 if precision == "fp32" else FP16
-    return Inventory(4.0, 12.0, 2 * 2 * FP32, FP32, element)
+    products, residual adds and the #Op collectives keep nothing.
+
+    Under bf16 autocast the residual stream and the LayerNorms stay fp32 and their
+    outputs are kept as the bf16 copies the products read; the products' outputs are
+    bf16; and each product weight's bf16 copy is kept (cached once per iteration)."""
+    if precision == "fp32":
+        return Inventory(4 * FP32, 12 * FP32, 2 * 2 * FP32, FP32, FP32)
+    if precision == "fp16":
+        return Inventory(4 * FP16, 12 * FP16, 2 * 2 * FP32, FP32, FP16)
+    return Inventory(2 * FP32 + 2 * FP16, 12 * FP16, 2 * 2 * FP32, FP32, FP32, FP16)
 
 
 def peak_in_flight(
@@ -191,18 +201,20 @@ def stage_memory(
     """Peak memory of one rank of stage ``[lo, hi)`` in tplib's runtime, running ``plan``
     in the order of its ``actions`` (see the module docstring)."""
     inv = runtime_inventory(precision)
-    h, e = cfg.hidden, inv.element
+    h, e = cfg.hidden, inv.hidden
     first, last = lo == 0, hi == cfg.n_layer
     vocab_rows = -(-cfg.vocab_size // n_op)
     per_token_layer = (
-        inv.replicated * h * e
-        + inv.partitioned * h / n_op * e
+        inv.replicated * h
+        + inv.partitioned * h / n_op
         + inv.norm_stats
         + inv.per_head * cfg.n_head / n_op
     )
     # Beyond the layers: a middle stage's output waits for its backward; the last keeps
-    # ln_f's input, output and statistics and the cross-entropy's fp32 softmax.
-    extra = 2 * h * e + 2 * FP32 + vocab_rows * FP32 if last else h * e
+    # ln_f's input, the head's input (its copy under autocast), ln_f's statistics and the
+    # cross-entropy's fp32 softmax.
+    head_input = FP16 if precision == "bf16" else e
+    extra = (e + head_input) * h + 2 * FP32 + vocab_rows * FP32 if last else h * e
     per_token = (hi - lo) * per_token_layer + extra
     own_input = 0.0 if first else h * e  # counted in the layers: LN1 keeps it
 
@@ -217,6 +229,9 @@ def stage_memory(
         )
     else:
         acts = peak_in_flight(actions, kept=lambda u: tokens(u) * per_token)
+    # The products' weights (and the head, which may be the tied embedding).
+    products = (hi - lo) * 12 * h * h // n_op + (vocab_rows * h if last else 0)
+    acts += inv.weight_copy * products
     params = stage_params(cfg, lo, hi, n_op=n_op)
     tensors = (hi - lo) * PARAM_TENSORS_PER_LAYER + 2 * first + 3 * last
     tensors -= int(first and last and cfg.tie_embeddings)  # one shared embedding

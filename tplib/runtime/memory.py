@@ -219,12 +219,7 @@ class MemoryMeter:
 def context_tensors(contexts: Iterable[StageContext]) -> list[Tensor]:
     """The K/V buffers of ``contexts`` and their gradient buffers, to exclude and to count
     as static."""
-    return [
-        t
-        for ctx in contexts
-        for layer in ctx.layers.values()
-        for t in (layer.k, layer.v, layer.grad_k, layer.grad_v)
-    ]
+    return [t for ctx in contexts for t in ctx.buffers()]
 
 
 def parameter_bytes(module: nn.Module) -> int:

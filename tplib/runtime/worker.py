@@ -46,7 +46,7 @@ from tplib.oppart import OpGroup
 from tplib.plan import Unit
 from tplib.precision import autocast, make_optimizer, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
-from tplib.runtime.memory import MemoryMeter, StageMemory, reset_cuda_peak
+from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
 from tplib.schedule import Action, Kind
 from tplib.slicing import SliceExecutor, unit_rows
 
@@ -192,7 +192,7 @@ class Worker:
         # Contexts up front: they are static memory, never counted as activations.
         self.contexts = [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
         self.meter.exclude(self.params)
-        self.meter.exclude(t for c in self.contexts for t in c.buffers())
+        self.meter.exclude(context_tensors(self.contexts))
         self.timeout = datetime.timedelta(seconds=run.timeout_s)
         self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
 
@@ -411,7 +411,7 @@ class Worker:
         time.sleep(10 * self.run.timeout_s)  # "hang": stall until killed or timed out
 
     def _memory(self) -> StageMemory:
-        buffers = [t for c in self.contexts for t in c.buffers()]
+        buffers = context_tensors(self.contexts)
         state = self.optimizer.state_bytes()
         if self.device.type == "cuda":
             return StageMemory.allocator(
