@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 
 from tplib.cluster import ClusterCostModel, memory_per_gpu
+from tplib.cluster.memory import peak_in_flight
 from tplib.config import get_config, n_params_per_layer
 from tplib.paper import SETTINGS, TERAPIPE, main_row
-from tplib.plan import Plan
+from tplib.plan import Plan, Unit
+from tplib.runtime import LocalPool, RunConfig, RunResult
+from tplib.runtime.benchmark import modelled_memory
+from tplib.schedule import Action, Kind
 
 
 def test_paper_plans_fit_and_slicing_saves_scores() -> None:
@@ -39,3 +45,145 @@ def test_token_slices_store_fewer_scores() -> None:
     heads = 16
     saved = heads * (2048**2 - (1024**2 + 2048 * 1024)) * 6
     assert whole.activations - halves.activations == pytest.approx(saved)
+
+
+# ---- peak_in_flight on hand-written action lists -----------------------------------------
+
+
+def _acts(*items: str) -> list[Action]:
+    return [Action.parse(text, stage=0) for text in items]
+
+
+SIZES = {Unit(0, 0): 1.0, Unit(0, 1): 10.0, Unit(0, 2): 100.0, Unit(1, 0): 1000.0}
+
+
+def _kept(u: Unit) -> float:
+    return SIZES[u]
+
+
+def test_peak_in_flight_fill_drain_keeps_every_unit() -> None:
+    actions = _acts("F b0 t0", "F b0 t1", "F b0 t2", "F b1 t0", "B b1 t0", "B b0 t2", "B b0 t1")
+    assert peak_in_flight(actions, _kept) == 1111.0
+    assert peak_in_flight([], _kept) == 0.0
+
+
+def test_peak_in_flight_frees_at_backward() -> None:
+    # F0 F1 B1 F2 B2 B0 ... alive: {0}, {0,1}, {0}, {0,2}, {0}: the peak is 1 + 100.
+    actions = _acts("F b0 t0", "F b0 t1", "B b0 t1", "F b0 t2", "B b0 t2", "B b0 t0")
+    assert peak_in_flight(actions, _kept) == 101.0
+    # The same with b1's 1000 after everything else is freed: 1000 alone.
+    assert peak_in_flight([*actions, *_acts("F b1 t0", "B b1 t0")], _kept) == 1000.0
+
+
+def test_peak_in_flight_ignores_communication_and_update() -> None:
+    bare = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0")
+    noisy = [
+        *_acts("RA b0 t0", "F b0 t0", "SA b0 t0", "RA b0 t1", "F b0 t1", "SA b0 t1"),
+        *_acts("RG b0 t1", "B b0 t1", "SG b0 t1", "RG b0 t0", "B b0 t0", "SG b0 t0"),
+        Action(Kind.AR, 0),
+        Action(Kind.OPT, 0),
+    ]
+    assert peak_in_flight(bare, _kept) == peak_in_flight(noisy, _kept) == 11.0
+
+
+def test_peak_in_flight_adds_the_unit_rebuilt_during_its_backward() -> None:
+    """Recomputation: each unit keeps ``kept`` until its backward, during which its
+    ``rebuilt`` activations exist too (alive before the unit is released)."""
+    actions = _acts("F b0 t0", "F b0 t1", "F b0 t2", "B b0 t2", "B b0 t1", "B b0 t0")
+    inputs = {Unit(0, t): 1.0 for t in range(3)}
+    rebuilt = {Unit(0, 0): 50.0, Unit(0, 1): 20.0, Unit(0, 2): 5.0}
+    # B t2: 3 inputs + 5 = 8; B t1: 2 inputs + 20 = 22; B t0: 1 input + 50 = 51.
+    assert peak_in_flight(actions, inputs.__getitem__, rebuilt.__getitem__) == 51.0
+    # Without the rebuilt term only the inputs count.
+    assert peak_in_flight(actions, inputs.__getitem__) == 3.0
+    # A large kept set beats the rebuilt one: B t2 with kept 100 each: 300 + 5.
+    big = {u: 100.0 for u in inputs}
+    assert peak_in_flight(actions, big.__getitem__, rebuilt.__getitem__) == 305.0
+
+
+# ---- the runtime memory model against measurement (local gloo processes) ----------------
+
+# tiny, 2 stages, 4 sequences of 32 tokens; TeraPipe and 1F1B cut each into 4 token slices,
+# GPipe runs unsliced microbatches of one sequence.
+MEASURED_SCHEDULES = ("gpipe", "terapipe", "1f1b")
+RECOMPUTE = ("none", "full")
+N_OPS = (1, 2)
+
+
+def _run_config(schedule: str, n_op: int, recompute: str) -> RunConfig:
+    return RunConfig(
+        model="tiny",
+        schedule=schedule,
+        n_stages=2,
+        n_op=n_op,
+        batch=4,
+        seq_len=32,
+        slicing=1 if schedule == "gpipe" else 4,
+        steps=2,
+        recompute=recompute,
+        timeout_s=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def measured() -> Iterator[Callable[[str, int, str], tuple[RunConfig, RunResult]]]:
+    """Runs on one LocalPool per world size, each configuration run once and cached."""
+    pools: dict[int, LocalPool] = {}
+    results: dict[tuple[str, int, str], tuple[RunConfig, RunResult]] = {}
+
+    def get(schedule: str, n_op: int, recompute: str) -> tuple[RunConfig, RunResult]:
+        key = (schedule, n_op, recompute)
+        if key not in results:
+            run = _run_config(schedule, n_op, recompute)
+            if run.world_size not in pools:
+                pools[run.world_size] = LocalPool(run.world_size, timeout_s=60)
+            results[key] = run, pools[run.world_size].run(run)
+        return results[key]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("schedule", MEASURED_SCHEDULES)
+@pytest.mark.parametrize("n_op", N_OPS)
+def test_stage_memory_matches_the_measured_runtime(
+    measured: Callable[[str, int, str], tuple[RunConfig, RunResult]],
+    n_op: int,
+    schedule: str,
+    recompute: str,
+) -> None:
+    run, result = measured(schedule, n_op, recompute)
+    modelled = modelled_memory(run)
+    assert len(result.ranks) == 2 * n_op
+    for r in result.ranks:
+        assert r.memory is not None and r.memory.source == "counted"
+        m, x = modelled[r.stage], r.memory
+        where = f"stage {r.stage} op rank {r.op_rank}: modelled {m} vs measured {x}"
+        assert abs(m.total / x.total - 1) <= 0.10, where
+        # Not only the static part, which dominates the total: the activations too.
+        assert x.activations_peak > 0, where
+        assert abs(m.activations / x.activations_peak - 1) <= 0.10, where
+        assert abs(m.contexts / x.contexts - 1) <= 0.10, where
+        assert abs(m.states / (x.params + x.grads + x.optimizer) - 1) <= 0.10, where
+    # The op ranks of a stage hold equal shares.
+    for stage in range(2):
+        totals = {r.memory.total for r in result.ranks if r.stage == stage and r.memory}
+        assert len(totals) == 1, (stage, totals)
+
+
+@pytest.mark.parametrize("n_op", N_OPS)
+def test_measured_savings_of_1f1b_and_recomputation(
+    measured: Callable[[str, int, str], tuple[RunConfig, RunResult]], n_op: int
+) -> None:
+    def peaks(schedule: str, recompute: str) -> list[int]:
+        return measured(schedule, n_op, recompute)[1].stage_peak_bytes()
+
+    # 1F1B bounds the units in flight: the first stage keeps at most 5 of the 16 units
+    # (one sequence's 4 token slices and the next one's first), GPipe the whole batch.
+    assert peaks("1f1b", "none")[0] < 0.8 * peaks("gpipe", "none")[0]
+    for schedule in MEASURED_SCHEDULES:
+        none, full = peaks(schedule, "none"), peaks(schedule, "full")
+        for stage in range(2):
+            assert full[stage] < none[stage], (schedule, stage, full, none)

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tplib.config import MODELS, GPTConfig, get_config, n_params, stage_params
-from tplib.model import build_model
+from tplib.model import GPTStage, build_model
+from tplib.oppart import OpGroup
 
 
 @pytest.mark.parametrize(
@@ -80,3 +81,55 @@ def test_a_named_config_with_overrides() -> None:
     assert get_config("small", ()) is get_config("small")
     with pytest.raises(ValueError, match="not divisible by n_head=3"):
         get_config("small", (("n_head", 3),))
+
+
+# ---- one op rank's parameters -------------------------------------------------------------
+
+
+def _unique_numel(stage: torch.nn.Module) -> int:
+    # parameters() yields a tied (shared) tensor once; count by identity to be sure.
+    unique = {id(p): p for _, p in stage.named_parameters(remove_duplicate=False)}
+    return sum(p.numel() for p in unique.values())
+
+
+@pytest.mark.parametrize("n_op", [1, 2, 4])
+@pytest.mark.parametrize(("lo", "hi"), [(0, 4), (0, 1), (0, 2), (1, 3), (2, 4), (3, 4)])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"vocab_size": 95},  # padded: 96 rows over 2 or 4 ranks
+        {"vocab_size": 93, "tie_embeddings": False},  # padded to 94 (#Op 2) or 96 (#Op 4)
+    ],
+    ids=["tiny", "vocab95", "vocab93-untied"],
+)
+def test_op_rank_count_equals_built_shard_on_meta(
+    lo: int, hi: int, n_op: int, changes: dict[str, object]
+) -> None:
+    cfg = get_config("tiny").with_(**changes)
+    for rank in range(n_op):
+        with torch.device("meta"):
+            stage = GPTStage(cfg, lo, hi, OpGroup(rank, n_op))
+        assert _unique_numel(stage) == stage_params(cfg, lo, hi, n_op), (rank, n_op)
+
+
+@pytest.mark.parametrize(("name", "n_op"), [("GPT3-1B", 8), ("GPT3-13B", 8), ("small", 4)])
+def test_op_rank_count_of_larger_models(name: str, n_op: int) -> None:
+    cfg = get_config(name)
+    n = cfg.n_layer
+    for lo, hi in [(0, n), (0, 1), (1, n - 1), (n - 1, n)]:
+        with torch.device("meta"):
+            stage = GPTStage(cfg, lo, hi, OpGroup(n_op - 1, n_op))
+        assert _unique_numel(stage) == stage_params(cfg, lo, hi, n_op), (lo, hi)
+
+
+def test_op_rank_count_by_hand() -> None:
+    """tiny (hidden 32, 4 layers, vocabulary 95, context 64), one middle layer over 2 ranks:
+    QKV 32 x 48 + 48, projection 16 x 32 + 32, FC1 32 x 64 + 64, FC2 64 x 32 + 32, two
+    LayerNorms 4 x 32; the first stage adds 48 vocabulary rows and 64 positions of 32."""
+    cfg = get_config("tiny").with_(vocab_size=95)
+    layer = (32 * 48 + 48) + (16 * 32 + 32) + (32 * 64 + 64) + (64 * 32 + 32) + 4 * 32
+    assert stage_params(cfg, 1, 2, 2) == layer
+    assert stage_params(cfg, 0, 1, 2) == layer + 48 * 32 + 64 * 32
+    # The last stage: the final LayerNorm and its own copy of the tied head's 48 rows.
+    assert stage_params(cfg, 3, 4, 2) == layer + 2 * 32 + 48 * 32

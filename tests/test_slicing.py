@@ -180,3 +180,60 @@ def test_plan_longer_than_the_context_is_rejected() -> None:
         ValueError, match=r"plan's sequence length 80 exceeds the model's context of 64"
     ):
         SliceExecutor(model, Plan((1,), ((40, 40),)))
+
+
+@pytest.mark.parametrize(
+    ("plan", "cut"),
+    [
+        (Plan((1, 2), ((3, 9, 4), (7, 1, 8))), 1),
+        (Plan((2, 1), ((11, 5), (1, 2, 13))), 3),
+        (Plan((3,), ((16,),)), 2),  # unsliced
+    ],
+)
+def test_full_recomputation_matches_no_recomputation_and_the_reference(
+    plan: Plan, cut: int
+) -> None:
+    whole = build_model(CFG, seed=12)
+    tokens, targets = synthetic_batch(CFG, plan.batch, plan.seq_len, seed=13)
+    ref_loss, ref_grads = _reference(whole, tokens, targets)
+    runs = {}
+    for recompute in ("none", "full"):
+        stages = [build_model(CFG, 0, cut, seed=12), build_model(CFG, cut, 4, seed=12)]
+        loss = run_pipeline_local(stages, tokens, plan, targets=targets, recompute=recompute)
+        assert_scaled_close(loss, ref_loss, what=f"loss, recompute={recompute}")
+        _assert_grads_match(stages, ref_grads)
+        runs[recompute] = loss, stages
+    assert_scaled_close(runs["full"][0], runs["none"][0], what="loss full vs none")
+    for full, none in zip(runs["full"][1], runs["none"][1], strict=True):
+        for (name, p), (_, q) in zip(full.named_parameters(), none.named_parameters(), strict=True):
+            assert_scaled_close(p.grad, q.grad, what=f"{name} full vs none")
+
+
+def test_full_recomputation_saves_nothing_until_backward() -> None:
+    """recompute="full": a unit's forward records no graph (autograd saves no tensor); its
+    backward runs the forward again and saves what "none" saved in the forward."""
+    plan = Plan((2,), ((5, 11),))
+    _, targets = synthetic_batch(CFG, 2, 16, seed=14)
+    x = torch.randn(2, 16, CFG.hidden, generator=torch.Generator().manual_seed(16))
+    counts = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts[phase[0]] += 1
+        return t
+
+    saved = {}
+    for recompute in ("none", "full"):
+        counts.update(forward=0, backward=0)
+        ex = SliceExecutor(build_model(CFG, 1, 4, seed=15), plan, recompute=recompute)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            phase[0] = "forward"
+            for t, (lo, hi) in enumerate(itertools.pairwise(plan.token_bounds(0))):
+                ex.forward(Unit(0, t), x[:, lo:hi], targets[:, lo:hi])
+            phase[0] = "backward"
+            for t in reversed(range(2)):
+                grad = ex.backward(Unit(0, t))
+                assert grad is not None and grad.shape == (2, plan.token_slices[0][t], CFG.hidden)
+        saved[recompute] = dict(counts)
+    assert saved["none"]["forward"] > 0 and saved["none"]["backward"] == 0
+    assert saved["full"] == {"forward": 0, "backward": saved["none"]["forward"]}
