@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -205,3 +206,80 @@ def test_table_command_prints_and_saves(tmp_path: Path, capsys: pytest.CaptureFi
     assert "has no parameter settings" in capsys.readouterr().err
     assert main(["table", "seqlen_sweep", "--params", "[1]"]) == 2
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tplib.runtime import RunConfig, load_run_config
+
+    out = tmp_path / "tmp" / "run.json"
+    assert main(["run", "--setting", "9", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    run = load_run_config(out)
+    expected = RunConfig.for_setting(9)  # fp16, cluster plan, 10 steps after 2 warm-up
+    # The JSON keeps the plan's slicing, not what the planner predicted (its latency,
+    # t_max, eps): see test_runtime_layouts.py::test_planned_configs_round_trip_through_json.
+    sliced = Plan(expected.plan.batch_slices, expected.plan.token_slices)
+    assert run == dataclasses.replace(expected, slicing=sliced)
+    assert run.plan.to_paper() == expected.plan.to_paper()
+    assert (run.n_data, run.n_stages, run.n_op, run.world_size) == (1, 96, 4, 384)
+    assert "vocabulary padded from 50257 to 50260" in printed  # a multiple of #Op = 4
+    torchrun = [ln.strip() for ln in printed.splitlines() if ln.strip().startswith("torchrun ")]
+    assert len(torchrun) == 1, printed
+    tokens = torchrun[0].split()
+    assert tokens[tokens.index("--nnodes") + 1] == "48"  # 384 GPUs / 8 per node
+    assert tokens[tokens.index("--nproc-per-node") + 1] == "8"
+    assert tokens[tokens.index("--config") + 1] == str(out)
+    assert tokens[tokens.index("--out") + 1] == "result.pt"
+
+
+def test_run_refuses_a_setting_outside_table1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--setting", "11", "--out", str(tmp_path / "run.json")]) == 2
+    assert "setting (11) is not in Table 1" in capsys.readouterr().err
+    assert not (tmp_path / "run.json").exists()
+
+
+BENCH = ["bench", "--model", "tiny", "--schedule", "terapipe", "--stages", "2", "--batch", "2"]
+BENCH += ["--seq-len", "16", "--slices", "4"]
+
+
+def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    # #Pipe x #Op = 2 x 2: four local processes, one quick iteration.
+    argv = [*BENCH, "--op", "2", "--recompute", "full", "--iters", "1", "--warmup", "0"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["n_op"], out["recompute"], out["precision"], out["device"]) == (
+        2,
+        "full",
+        "fp32",
+        "cpu",
+    )
+    assert out["iterations"] == 1 and out["plan"] == "[(1, [4] * 4)] * 2"
+    assert len(out["stage_peak_bytes"]) == 2 and len(out["modelled_peak_bytes"]) == 2
+    assert all(b > 0 for b in out["stage_peak_bytes"]) and out["memory_source"] == "counted"
+    worst = max(
+        abs(m / x - 1)
+        for m, x in zip(out["modelled_peak_bytes"], out["stage_peak_bytes"], strict=True)
+    )
+    assert out["memory_error"] == pytest.approx(worst) and out["memory_error"] < 0.1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--dtype", "fp16"], "precision 'fp16' needs device='cuda', got device='cpu'"),
+        (["--op", "3"], "n_op=3 must divide tiny's 4 attention heads"),
+        (["--recompute", "selective"], "recompute='selective' is not a recompute mode"),
+        (["--dtype", "fp8"], "unknown precision 'fp8'"),
+        (["--device", "tpu"], "device='tpu'"),
+    ],
+)
+def test_bench_bad_layouts_exit_2(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main([*BENCH, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TypeVar
 
@@ -54,14 +54,15 @@ class Plan:
     ``batch_slices[b]`` is the number of sequences in batch slice ``b``;
     ``token_slices[b]`` lists the token-slice lengths of batch slice ``b``, first to last.
     ``latency``, ``t_max`` and ``eps`` record what a planner predicted and used; they are
-    ``None`` for hand-written plans.
+    ``None`` for hand-written plans, and not part of a plan's identity: two plans with the
+    same slices are equal (a plan read back from its paper notation equals the original).
     """
 
     batch_slices: tuple[int, ...]
     token_slices: tuple[tuple[int, ...], ...]
-    latency: float | None = None
-    t_max: float | None = None
-    eps: float | None = None
+    latency: float | None = field(default=None, compare=False)
+    t_max: float | None = field(default=None, compare=False)
+    eps: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_slices", tuple(int(b) for b in self.batch_slices))

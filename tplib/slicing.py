@@ -240,7 +240,9 @@ def run_pipeline_local(
             unit_rows(plan, unit, x.grad).add_(grad)
     if ends_model:
         return torch.stack(outputs).sum()
-    out = torch.empty(*x.shape[:2], outputs[0].shape[-1], dtype=outputs[0].dtype)
+    out = torch.empty(
+        *x.shape[:2], outputs[0].shape[-1], dtype=outputs[0].dtype, device=outputs[0].device
+    )
     for unit, h in zip(plan.units(), outputs, strict=True):
         unit_rows(plan, unit, out).copy_(h)
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tplib.paper import TERAPIPE, main_row, setting
+from tplib.paper import TERAPIPE, main_row, seqlen_row, setting
 from tplib.plan import Plan
 from tplib.runtime.config import RunConfig, save_run_config
 from tplib.runtime.pool import RunResult
@@ -43,9 +43,9 @@ def setting_plan(n: int, source: str = "cluster", seq_len: int | None = None) ->
     s = setting(n, seq_len)
     if source == "gpipe":
         return s.gpipe_plan()
-    if source == "paper":
-        if seq_len not in (None, s.seq_len) and n != 5:
-            raise ValueError(f"the paper prints plans for setting ({n}) at L={s.seq_len} only")
+    if source == "paper":  # Table 2's plan, or Table 4's for setting (5) at another L
+        if s.seq_len != setting(n).seq_len:
+            return seqlen_row(s.seq_len, TERAPIPE).plan
         return main_row(n, TERAPIPE).plan
     if source == "cluster":
         from tplib.tables.settings import plan_terapipe
@@ -119,8 +119,8 @@ def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
         f"--rdzv-endpoint $HEAD_NODE:29500 {module}"
     )
     slurm = (
-        f"sbatch --nodes={nodes} scripts/slurm/tplib-run.sbatch "
-        f"{shlex.quote(config)} {shlex.quote(out)}"
+        f"GPUS_PER_NODE={per_node} sbatch --nodes={nodes} --gpus-per-node={per_node} "
+        f"scripts/slurm/tplib-run.sbatch {shlex.quote(config)} {shlex.quote(out)}"
     )
     return {"torchrun": torchrun, "slurm": slurm}
 

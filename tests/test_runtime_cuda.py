@@ -1,0 +1,365 @@
+"""The runtime on CUDA, against the single-process fp32 reference on CPU.
+
+The tests marked ``cuda`` skip without a GPU; ``make gpu-check`` runs them
+(``pytest -m cuda tests``). With fewer GPUs than ranks, :func:`~tplib.runtime.launch`
+picks gloo and the ranks share the GPU, their tensors staged through host memory
+(:func:`tplib.runtime.pool.local_backend`); with a GPU per rank, NCCL.
+
+Tolerances:
+
+- fp32 on CUDA (2-stage TeraPipe, #Op 1 and 2, with and without recomputation) against
+  :func:`~tplib.runtime.train_reference` (CPU, fp32): losses and the parameters after 5
+  AdamW steps within ``rtol = atol = 1e-4``, first-iteration gradients within 1e-4 of each
+  tensor's largest magnitude. Only rounding differs (CUDA kernels, slices, reduction
+  order), so 1e-4 is 10x the CPU suite's 1e-5, and a wrong gradient moves a parameter by
+  ~lr = 1e-3 per step.
+- bf16 (autocast) and fp16 (fp16 weights, fp32 masters, dynamic loss scaling) on CUDA:
+  every loss within 2e-2 relative of the fp32 reference, every first-iteration gradient
+  within a relative L2 error ``||g - g_ref|| / ||g_ref||`` of 5e-2. fp16 may skip its
+  first step if the initial loss scale 2**16 overflows (on this model the fp32 gradients
+  times 2**16 peak near 2e4, under fp16's 65504): all ranks must skip the same steps, at
+  most one, and the final parameters must be finite.
+- bf16 on CPU (not marked cuda, runs everywhere): losses within 1e-3 relative, every
+  gradient within 2e-2 relative L2 error (measured: losses 6e-5, gradients 0.8% at most).
+- One process on CUDA: token-sliced execution (:func:`~tplib.slicing.run_pipeline_local`)
+  against the whole-sequence model in fp32 within 1e-5 of each tensor's scale, as
+  ``tests/test_slicing.py`` checks on CPU.
+
+TF32: in torch 2.x ``torch.backends.cuda.matmul.allow_tf32`` defaults to False
+(``torch.get_float32_matmul_precision() == "highest"``), so fp32 matmuls are full fp32.
+Setting the flag here would not reach the runs' worker processes: they are spawned fresh
+and start from torch's default, which :func:`test_fresh_processes_keep_tf32_off` checks
+(the environment variable ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` would turn it on).
+In this process the single-process tests switch TF32 off explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from tplib.config import get_config
+from tplib.context import ATTENTION_IMPLS
+from tplib.data import synthetic_batch
+from tplib.model import GPTStage, build_model
+from tplib.plan import Plan
+from tplib.runtime import (
+    Hooks,
+    LocalPool,
+    ReferenceResult,
+    RunConfig,
+    RunResult,
+    launch,
+    train_reference,
+)
+from tplib.slicing import full_batch_loss, run_pipeline_local
+
+from .conftest import assert_scaled_close
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+COLLECT = Hooks(collect_grads=True, collect_params=True)
+SEQ_LEN = 16
+UNEVEN = Plan((1, 1), ((5, 11), (2, 6, 8)))  # uneven token slices, two batch slices
+
+
+def _config(*, device: str, precision: str = "fp32", n_op: int = 1, **fields: object) -> RunConfig:
+    options: dict[str, object] = {
+        "model": "tiny",
+        "schedule": "terapipe",
+        "n_stages": 2,
+        "n_op": n_op,
+        "batch": 2,
+        "seq_len": SEQ_LEN,
+        "slicing": UNEVEN,
+        "steps": 5,
+        "lr": 1e-3,
+        # The attention key bias has an exactly-zero gradient in exact arithmetic, so
+        # both sides hold rounding noise there; eps=1e-6 keeps Adam from blowing that
+        # noise up to steps of ~lr (as in tests/test_runtime.py).
+        "adam_eps": 1e-6,
+        "device": device,
+        "precision": precision,
+        "timeout_s": 120,
+    }
+    options.update(fields)
+    return RunConfig(**options)  # type: ignore[arg-type]
+
+
+def _model_name(run: RunConfig, stage: int, name: str) -> str:
+    # The last stage's LM head is the model's tied token embedding.
+    last = stage == run.n_stages - 1
+    return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
+
+
+def _check_coverage(run: RunConfig, result: RunResult, ref: ReferenceResult) -> None:
+    assert len(result.losses) == len(ref.losses) == run.steps
+    covered = {_model_name(run, s, n) for s, n in result.grads()}
+    assert covered == set(ref.grads), "every parameter lives on exactly one stage"
+    assert {_model_name(run, s, n) for s, n in result.params()} == set(ref.params)
+
+
+def _prefixed(what: str) -> Callable[[str], str]:
+    return lambda message: f"{what}: {message}"
+
+
+def _check_fp32(run: RunConfig, result: RunResult, tol: float) -> None:
+    ref = train_reference(run)
+    _check_coverage(run, result, ref)
+    torch.testing.assert_close(
+        torch.tensor(result.losses), torch.tensor(ref.losses), rtol=tol, atol=tol
+    )
+    for (stage, name), g in result.grads().items():
+        assert_scaled_close(g, ref.grads[_model_name(run, stage, name)], rel=tol, what=name)
+    for (stage, name), p in result.params().items():
+        torch.testing.assert_close(
+            p,
+            ref.params[_model_name(run, stage, name)],
+            rtol=tol,
+            atol=tol,
+            msg=_prefixed(f"param {name} after {run.steps} steps"),
+        )
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    norm = expected.float().norm().item()
+    assert norm > 0, "a reference gradient is zero: the relative error means nothing"
+    return (actual.float() - expected.float()).norm().item() / norm
+
+
+def _check_mixed(
+    run: RunConfig, result: RunResult, *, loss_rel: float, grad_rel: float, grads: bool = True
+) -> ReferenceResult:
+    ref = train_reference(run)  # fp32 on CPU, whatever run.precision says
+    _check_coverage(run, result, ref)
+    for i, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):
+        assert math.isfinite(got) and abs(got - want) <= loss_rel * abs(want), (i, got, want)
+    for (_, name), p in result.params().items():
+        assert torch.isfinite(p).all(), f"param {name} after {run.steps} steps is not finite"
+    if not grads:
+        return ref
+    errors = {
+        name: _relative_error(g, ref.grads[_model_name(run, stage, name)])
+        for (stage, name), g in result.grads().items()
+    }
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= grad_rel, f"grad {worst}: relative L2 error {errors[worst]:.3g}"
+    return ref
+
+
+# ---- bf16 on CPU: runs everywhere ------------------------------------------------------
+
+
+def test_bf16_on_cpu_matches_the_fp32_reference() -> None:
+    run = _config(device="cpu", precision="bf16", slicing=4, steps=3)
+    assert run.plan == Plan.uniform(2, SEQ_LEN, n_token_slices=4)
+    with LocalPool(2, timeout_s=120) as pool:
+        result = pool.run(run, COLLECT)
+    assert all(r.steps_skipped == 0 for r in result.ranks)
+    ref = _check_mixed(run, result, loss_rel=1e-3, grad_rel=2e-2)
+    # Not the fp32 run under another name: bf16 rounding shows in the gradients.
+    g = result.grads()[0, "blocks.0.mlp.fc.weight"]
+    assert _relative_error(g, ref.grads["blocks.0.mlp.fc.weight"]) > 1e-4
+
+
+# ---- CUDA ------------------------------------------------------------------------------
+
+
+@cuda
+@needs_gpu
+def test_fresh_processes_keep_tf32_off() -> None:
+    """What the spawned workers start with: fp32 matmuls in full fp32."""
+    code = (
+        "import torch; torch.cuda.init(); "
+        "print(torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["False", "highest"], out.stdout
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("n_op", [1, 2])
+def test_fp32_on_cuda_matches_the_cpu_reference(n_op: int, recompute: str) -> None:
+    run = _config(device="cuda", n_op=n_op, recompute=recompute)
+    result = launch(run, COLLECT)
+    assert all(r.memory is not None and r.memory.source == "allocator" for r in result.ranks)
+    _check_fp32(run, result, tol=1e-4)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("n_op", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cuda_is_close_to_fp32(precision: str, n_op: int) -> None:
+    run = _config(device="cuda", precision=precision, n_op=n_op)
+    result = launch(run, COLLECT)
+    skipped = {r.steps_skipped for r in result.ranks}
+    assert len(skipped) == 1, f"ranks skipped different numbers of steps: {skipped}"
+    n_skipped = skipped.pop()
+    if precision == "bf16":
+        assert n_skipped == 0  # no loss scale, nothing to skip
+    else:
+        # Only the initial 2**16 scale may overflow, once; then it is halved.
+        assert n_skipped <= 1, f"fp16 skipped {n_skipped} of {run.steps} steps"
+    # Gradients are collected in the first iteration: if that one overflowed (and was
+    # skipped) they hold inf/NaN and say nothing about precision.
+    first_finite = all(torch.isfinite(g).all() for g in result.grads().values())
+    assert first_finite or n_skipped == 1, "an overflowing iteration must be skipped"
+    _check_mixed(run, result, loss_rel=2e-2, grad_rel=5e-2, grads=first_finite)
+
+
+# ---- one process on CUDA: sliced against whole sequences, fp32 -------------------------
+
+
+CFG = get_config("tiny")
+PLANS = [
+    Plan.uniform(2, 16, n_token_slices=4),
+    Plan((1, 1), ((7, 1, 8), (3, 13))),
+    Plan((2,), ((1,) * 4 + (12,),)),
+    Plan((1, 2), ((5, 11), (16,))),
+    Plan((3,), ((1,) * 8 + (8,) * 7,)),  # the model's whole context, 64 tokens
+    Plan((1, 1, 1), ((64,), (32, 32), (2, 30, 1, 31))),
+]
+
+
+@pytest.fixture()
+def no_tf32() -> Iterator[None]:
+    """Full fp32 matmuls in this process, whatever ran before. (Not monkeypatch: the
+    cuBLAS flags are properties of a module object it cannot restore.)"""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32, cudnn.allow_tf32 = False, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def _reference(
+    model: GPTStage, tokens: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = full_batch_loss(model, tokens, targets)
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"{n} has no gradient"
+        grads[n] = p.grad.clone()
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _sum_grads(stages: list[GPTStage]) -> dict[str, torch.Tensor]:
+    # A last stage's head is the first stage's embedding; their gradients add up.
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            key = "wte.weight" if name == "head.weight" and stage.cfg.tie_embeddings else name
+            assert p.grad is not None, f"{name} has no gradient"
+            assert p.grad.device.type == "cuda", f"{name}'s gradient left the GPU"
+            grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
+    return grads
+
+
+@cuda
+@needs_gpu
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("attention", [None, *ATTENTION_IMPLS])
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_sliced_model_on_cuda_matches_whole_sequences(
+    plan: Plan, attention: str | None, recompute: str
+) -> None:
+    model = build_model(CFG, seed=1, device="cuda")
+    tokens, targets = (t.cuda() for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=2))
+    ref_loss, ref_grads = _reference(model, tokens, targets)
+    loss = run_pipeline_local(
+        [model], tokens, plan, targets=targets, attention=attention, recompute=recompute
+    )
+    assert loss.device.type == "cuda"
+    assert_scaled_close(loss, ref_loss, what="loss")
+    grads = _sum_grads([model])
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert_scaled_close(grads[name], ref, what=name)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("cuts", [(0, 1, 4), (0, 2, 4), (0, 1, 2, 3, 4)], ids=str)
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_chained_stages_on_cuda_match_whole_sequences(plan: Plan, cuts: tuple[int, ...]) -> None:
+    whole = build_model(CFG, seed=4, device="cuda")
+    tokens, targets = (t.cuda() for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=5))
+    ref_loss, ref_grads = _reference(whole, tokens, targets)
+    stages = [
+        build_model(CFG, lo, hi, seed=4, device="cuda") for lo, hi in itertools.pairwise(cuts)
+    ]
+    loss = run_pipeline_local(stages, tokens, plan, targets=targets)
+    assert_scaled_close(loss, ref_loss, what="loss")
+    grads = _sum_grads(stages)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert_scaled_close(grads[name], ref, what=name)
+
+
+def _middle_stage_case(
+    plan: Plan,
+) -> tuple[
+    GPTStage, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]
+]:
+    """A middle stage on CUDA: (stage, input, output gradient, reference output,
+    reference input gradient, reference parameter gradients)."""
+    stage = build_model(CFG, 1, 3, seed=6, device="cuda")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).cuda()
+    grad_out = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).cuda()
+    x_ref = x.clone().requires_grad_()
+    y_ref = stage(x_ref)
+    y_ref.backward(grad_out)
+    assert x_ref.grad is not None
+    ref_grads = {}
+    for n, p in stage.named_parameters():
+        assert p.grad is not None, f"{n} has no gradient"
+        ref_grads[n] = p.grad.clone()
+    stage.zero_grad(set_to_none=True)
+    return stage, x, grad_out, y_ref.detach(), x_ref.grad, ref_grads
+
+
+@cuda
+@needs_gpu
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("attention", [None, *ATTENTION_IMPLS])
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_middle_stage_on_cuda_matches_whole_sequences(plan: Plan, attention: str | None) -> None:
+    stage, x, grad_out, y_ref, x_grad_ref, ref_grads = _middle_stage_case(plan)
+    x_sl = x.clone().requires_grad_()
+    y = run_pipeline_local([stage], x_sl, plan, grad_output=grad_out, attention=attention)
+    # Compared where the reference lives (see the next test for where the output is).
+    assert_scaled_close(y.to(y_ref.device), y_ref, what="output")
+    assert x_sl.grad is not None and x_sl.grad.device.type == "cuda"
+    assert_scaled_close(x_sl.grad, x_grad_ref, what="input grad")
+    for name, p in stage.named_parameters():
+        assert_scaled_close(p.grad, ref_grads[name], what=name)
+
+
+@cuda
+@needs_gpu
+def test_middle_stage_output_stays_on_the_gpu() -> None:
+    """A chain that ends mid-model returns its output on the device it ran on."""
+    plan = PLANS[1]
+    stage, x, grad_out, y_ref, _, _ = _middle_stage_case(plan)
+    y = run_pipeline_local([stage], x.clone().requires_grad_(), plan, grad_output=grad_out)
+    assert y.device == y_ref.device, f"output on {y.device}, input on {x.device}"
