@@ -3,6 +3,8 @@ rule; configs round-trip through JSON for torchrun jobs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,19 @@ def test_run_config_round_trips_through_json(tmp_path: Path) -> None:
     assert run_config_from_dict(run_config_to_dict(uniform)) == uniform
     with pytest.raises(ValueError, match=r"unknown RunConfig fields \['stagez'\]"):
         run_config_from_dict({"stagez": 2})
+
+
+def test_a_run_config_is_checked_without_torch() -> None:
+    """Configs are made and checked on a login node: that must not load torch."""
+    code = (
+        "import sys\n"
+        "from tplib.runtime import RunConfig\n"
+        "RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16, slicing=4, recompute='full')\n"
+        "try:\n"
+        "    RunConfig(precision='fp16')\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

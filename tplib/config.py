@@ -3,6 +3,9 @@
 A :class:`GPTConfig` is a frozen dataclass; named configs live in :data:`MODELS` and are
 looked up with :func:`get_config`. :func:`n_params` counts parameters from the config
 alone, so the 175B model can be sized without allocating anything.
+
+The rules of the options a run adds to a model (#Op, recomputation, precision) are
+checked here too, without torch, so a run's configuration is checked before torch loads.
 """
 
 from __future__ import annotations
@@ -10,7 +13,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-__all__ = ["MODELS", "GPTConfig", "get_config", "n_params", "n_params_per_layer", "stage_params"]
+__all__ = [
+    "MODELS",
+    "PRECISIONS",
+    "RECOMPUTE_MODES",
+    "GPTConfig",
+    "check_op",
+    "check_precision",
+    "check_recompute",
+    "get_config",
+    "n_params",
+    "n_params_per_layer",
+    "padded_vocab",
+    "stage_params",
+]
 
 GPT2_VOCAB = 50257
 
@@ -117,3 +133,45 @@ def stage_params(cfg: GPTConfig, lo: int, hi: int, n_op: int = 1) -> int:
     head_copy = vocab_rows * h if last and not (cfg.tie_embeddings and lo == 0) else 0
     final_norm = 2 * h if last else 0
     return embed + (hi - lo) * layer + final_norm + head_copy
+
+
+# ---- the options a run adds to a model ------------------------------------------------
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full")
+
+
+def padded_vocab(vocab_size: int, n_op: int) -> int:
+    """The vocabulary rounded up to a multiple of #Op, so each rank holds equal rows."""
+    return -(-vocab_size // n_op) * n_op
+
+
+def check_op(cfg: GPTConfig, n_op: int) -> None:
+    """Raise ``ValueError`` unless #Op = ``n_op`` can partition ``cfg``'s operations."""
+    if isinstance(n_op, bool) or not isinstance(n_op, int) or n_op < 1:
+        raise ValueError(f"n_op={n_op!r} must be a positive integer")
+    if cfg.n_head % n_op or (4 * cfg.hidden) % n_op:
+        raise ValueError(
+            f"n_op={n_op} must divide {cfg.name}'s {cfg.n_head} attention heads and its "
+            f"MLP width 4 x {cfg.hidden}: operation partitioning splits heads and MLP "
+            "features evenly over the #Op ranks"
+        )
+
+
+def check_recompute(mode: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a recomputation mode."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute={mode!r} is not a recompute mode: choose one of {RECOMPUTE_MODES}"
+        )
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Raise ``ValueError`` unless ``precision`` is known and can run on ``device``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {PRECISIONS}")
+    if precision == "fp16" and device.split(":")[0] != "cuda":
+        raise ValueError(
+            f"precision 'fp16' needs device='cuda', got device={device!r}: fp16 weights are "
+            "for GPUs without bf16 (V100); use bf16 on CPU"
+        )

@@ -26,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tplib.config import GPTConfig
+from tplib.config import GPTConfig, check_op, padded_vocab
 from tplib.context import LayerContext, StageContext, slice_attention
 from tplib.oppart import (
     OpGroup,
     copy_to_group,
-    padded_vocab,
     reduce_from_group,
     shard_spec,
     take_shard,
@@ -178,18 +177,6 @@ def check_stage_range(cfg: GPTConfig, lo: int, hi: int) -> None:
         raise ValueError(
             f"stage layer range [{lo}, {hi}) is outside the model's layers [0, {cfg.n_layer}): "
             "a stage needs 0 <= lo < hi <= n_layer"
-        )
-
-
-def check_op(cfg: GPTConfig, n_op: int) -> None:
-    """Raise ``ValueError`` unless #Op = ``n_op`` can partition ``cfg``'s operations."""
-    if isinstance(n_op, bool) or not isinstance(n_op, int) or n_op < 1:
-        raise ValueError(f"n_op={n_op!r} must be a positive integer")
-    if cfg.n_head % n_op or (4 * cfg.hidden) % n_op:
-        raise ValueError(
-            f"n_op={n_op} must divide {cfg.name}'s {cfg.n_head} attention heads and its "
-            f"MLP width 4 x {cfg.hidden}: operation partitioning splits heads and MLP "
-            "features evenly over the #Op ranks"
         )
 
 

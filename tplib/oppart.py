@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tplib.config import padded_vocab
+
 __all__ = [
     "OpGroup",
     "ShardSpec",
@@ -68,11 +70,6 @@ class OpGroup:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"op rank {self.rank} is outside the #Op group of {self.size}")
-
-
-def padded_vocab(vocab_size: int, n_op: int) -> int:
-    """The vocabulary rounded up to a multiple of #Op, so each rank holds equal rows."""
-    return -(-vocab_size // n_op) * n_op
 
 
 # ---- the conjugate pair -----------------------------------------------------------------

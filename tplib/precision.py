@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tplib.config import PRECISIONS, check_precision
+
 __all__ = [
     "PRECISIONS",
     "DynamicLossScaler",
@@ -51,22 +53,10 @@ __all__ = [
     "param_dtype",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-
 
 def _check_known(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: choose one of {PRECISIONS}")
-
-
-def check_precision(precision: str, device: str) -> None:
-    """Raise ValueError unless ``precision`` is known and can run on ``device``."""
-    _check_known(precision)
-    if precision == "fp16" and torch.device(device).type != "cuda":
-        raise ValueError(
-            f"precision 'fp16' needs device='cuda', got device={device!r}: fp16 weights are "
-            "for GPUs without bf16 (V100); use bf16 on CPU"
-        )
 
 
 def param_dtype(precision: str) -> torch.dtype:

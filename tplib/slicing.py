@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tplib.config import RECOMPUTE_MODES, check_recompute
 from tplib.context import StageContext
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
@@ -36,16 +37,6 @@ __all__ = [
     "run_pipeline_local",
     "unit_rows",
 ]
-
-RECOMPUTE_MODES = ("none", "full")
-
-
-def check_recompute(mode: str) -> None:
-    """Raise ``ValueError`` unless ``mode`` is a recomputation mode."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"recompute={mode!r} is not a recompute mode: choose one of {RECOMPUTE_MODES}"
-        )
 
 
 @dataclass

@@ -18,14 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tplib.config import GPTConfig, get_config
+from tplib.config import (
+    GPTConfig,
+    check_op,
+    check_precision,
+    check_recompute,
+    get_config,
+    padded_vocab,
+)
 from tplib.files import write_json
-from tplib.model import check_op
-from tplib.oppart import padded_vocab
 from tplib.plan import Plan
-from tplib.precision import check_precision
 from tplib.schedule import Schedule, make_schedule
-from tplib.slicing import check_recompute
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
