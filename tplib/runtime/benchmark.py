@@ -109,5 +109,8 @@ def bench(run: RunConfig, result: RunResult | None = None) -> BenchResult:
         memory_source="/".join(sorted(sources)),
         stage_peak_bytes=tuple(measured),
         modelled_peak_bytes=tuple(modelled),
-        memory_error=max(abs(m / x - 1) for m, x in zip(modelled, measured, strict=True)),
+        memory_error=max(
+            (abs(m / x - 1) for m, x in zip(modelled, measured, strict=True) if x),
+            default=float("nan"),  # memory was not counted
+        ),
     )

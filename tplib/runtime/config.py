@@ -214,12 +214,15 @@ class Hooks:
 
     ``collect_grads``: return the first iteration's gradients; ``collect_params``: the
     parameters after the last step. ``fault``: "raise:RANK" makes that rank raise at its
-    first action, "hang:RANK" makes it stall there until it is killed.
+    first action, "hang:RANK" makes it stall there until it is killed. ``count_memory``:
+    on CPU, count each stage's memory through saved-tensor hooks (a Python call per saved
+    tensor; turn it off for timings that must not include it).
     """
 
     collect_grads: bool = False
     collect_params: bool = False
     fault: str = ""
+    count_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.fault:

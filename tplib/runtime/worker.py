@@ -181,13 +181,14 @@ class Worker:
             eps=run.adam_eps,
         )
         self.meter = MemoryMeter()
+        self.counting = self.device.type == "cpu" and hooks.count_memory
         self.executor = SliceExecutor(
             self.stage,
             self.plan,
             loss_scale=1.0 / (run.batch * run.seq_len),
             dtype=torch.bfloat16 if run.precision == "bf16" else self.wire_dtype,
             recompute=run.recompute,
-            hold=self.meter.hold if self.device.type == "cpu" else None,
+            hold=self.meter.hold if self.counting else None,
         )
         # Contexts up front: they are static memory, never counted as activations.
         self.contexts = [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
@@ -366,7 +367,7 @@ class Worker:
         t0 = time.perf_counter()
         self._maybe_fault()
         # One autocast region per iteration: its cast weights are cached once, not per unit.
-        meter = self.meter if self.device.type == "cpu" else nullcontext()
+        meter = self.meter if self.counting else nullcontext()
         with autocast(run.precision, self.device.type), meter:
             for action in self.schedule.actions[self.stage_id]:
                 handler = self.DISPATCH.get(action.kind)
@@ -410,7 +411,9 @@ class Worker:
             raise RuntimeError(f"injected fault on rank {self.rank}")
         time.sleep(10 * self.run.timeout_s)  # "hang": stall until killed or timed out
 
-    def _memory(self) -> StageMemory:
+    def _memory(self) -> StageMemory | None:
+        if self.device.type == "cpu" and not self.counting:
+            return None
         buffers = context_tensors(self.contexts)
         state = self.optimizer.state_bytes()
         if self.device.type == "cuda":
