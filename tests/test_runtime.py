@@ -203,3 +203,13 @@ def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
 
 def test_every_kind_has_a_handler() -> None:
     assert set(Worker.DISPATCH) == set(Kind)
+
+
+def test_memory_is_counted_unless_turned_off(pools: Callable[[int], LocalPool]) -> None:
+    run = _config("1f1b", 2, 1, SLICINGS["1f1b"][1])
+    counted = pools(2).run(run)
+    assert all(r.memory is not None and r.memory.source == "counted" for r in counted.ranks)
+    assert all(r.memory is not None and r.memory.activations_peak > 0 for r in counted.ranks)
+    off = pools(2).run(run, Hooks(count_memory=False))
+    assert all(r.memory is None for r in off.ranks)
+    assert off.losses == counted.losses  # counting does not change what is computed
