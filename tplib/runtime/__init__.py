@@ -6,10 +6,12 @@ module            what it holds
 ``config``        :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
-``torchrun``      the entry point for runs across nodes
+``torchrun``      the entry point for runs across nodes; :func:`load_result` reads its file
+``layouts``       Table 1's settings as runs (:meth:`RunConfig.for_setting`), launching them
+``memory``        measured memory of a stage: the CPU counter and the CUDA allocator's peak
 ``reference``     :func:`train_reference`, the single-device run every pipeline matches
 ``link``          :func:`measure_link`, a ping-pong between two local processes
-``benchmark``     :func:`bench`, median iteration latency and runtime overhead
+``benchmark``     :func:`bench`, median iteration latency, runtime overhead, peak memory
 ================  ====================================================================
 
 This is the only place, with :mod:`tplib.runtime.torchrun`, where torch.distributed is
