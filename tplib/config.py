@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 __all__ = [
+    "GELUS",
     "MODELS",
     "PRECISIONS",
     "RECOMPUTE_MODES",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 GPT2_VOCAB = 50257
+GELUS = ("tanh", "erf")
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,13 @@ class GPTConfig:
     tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
+    # GPT-2 and GPT-3 use GELU's tanh approximation ("gelu_new" in Hugging Face's
+    # configs); "erf" is the exact GELU.
+    gelu: str = "tanh"
 
     def __post_init__(self) -> None:
+        if self.gelu not in GELUS:
+            raise ValueError(f"GPTConfig.gelu={self.gelu!r}: choose one of {GELUS}")
         for field in ("n_layer", "hidden", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
@@ -79,6 +86,8 @@ MODELS: dict[str, GPTConfig] = {
         _paper("GPT3-13B", 40, 5120),
         _paper("GPT3-44B", 96, 6144),
         _paper("GPT3-175B", 96, 12288),
+        # GPT-2 small (124M), the checkpoint size a CPU can load and run.
+        GPTConfig("gpt2", n_layer=12, hidden=768, n_head=12, seq_len=1024),
         # Small configs for a 2-core CPU. "tiny" runs a training step in milliseconds
         # (exactness tests); "small" is the benchmark model (8 layers, hidden 512).
         GPTConfig("tiny", n_layer=4, hidden=32, n_head=4, seq_len=64, vocab_size=96),

@@ -148,12 +148,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
         super().__init__()
         self.op = op
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         width = 4 * cfg.hidden // _op_size(op)
         self.fc = Linear(cfg.hidden, width)
         self.proj = Linear(width, cfg.hidden, op)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(copy_to_group(x, self.op))))
+        h = self.fc(copy_to_group(x, self.op))
+        return self.proj(F.gelu(h, approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -195,7 +195,10 @@ def run_pipeline_local(
     forward through every stage, then every unit backward in reverse order.
 
     ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
-    grad, its gradient is accumulated in ``x.grad``. A chain that ends with the model's last
+    grad, its gradient is accumulated in ``x.grad``. A chain from the first stage to the
+    last, on separate stages, holds the tied embedding twice (the first stage's ``wte``,
+    the last stage's ``head``): each copy gets the sum of both gradients, as in the runtime,
+    so both hold the whole model's gradient. A chain that ends with the model's last
     stage needs ``targets`` and returns the loss summed over units (scaled by
     ``loss_scale``, default ``1 / targets.numel()``, which makes it the mean loss). Any other
     chain needs ``grad_output``, the gradient of its output, and returns the output.
@@ -229,6 +232,7 @@ def run_pipeline_local(
             if x.grad is None:
                 x.grad = torch.zeros_like(x)
             unit_rows(plan, unit, x.grad).add_(grad)
+    _sum_tied_gradients(stages)
     if ends_model:
         return torch.stack(outputs).sum()
     out = torch.empty(
@@ -237,6 +241,18 @@ def run_pipeline_local(
     for unit, h in zip(plan.units(), outputs, strict=True):
         unit_rows(plan, unit, out).copy_(h)
     return out
+
+
+def _sum_tied_gradients(stages: Sequence[GPTStage]) -> None:
+    first, last = stages[0], stages[-1]
+    if first is last or not (first.is_first and last.is_last and first.cfg.tie_embeddings):
+        return
+    embed, head = first.wte.weight, last.head.weight
+    if embed.grad is None or head.grad is None:
+        return
+    total = embed.grad + head.grad
+    embed.grad.copy_(total)
+    head.grad.copy_(total)
 
 
 def full_batch_loss(model: GPTStage, tokens: Tensor, targets: Tensor) -> Tensor:
