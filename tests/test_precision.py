@@ -1,6 +1,8 @@
 """Tests for tplib.precision: the loss scaler's rules, fp16 master-weight AdamW against torch's
 AdamW on an independent fp32 copy, overflow skipping, and loss scaling rescuing a gradient
-that fp16 would flush to zero. Everything runs on CPU with float16 tensors."""
+that fp16 would flush to zero; GPT-3's weight-decay groups, the learning rate set per step
+and clipping of the gradients the step uses (fp16: the unscaled master grads) against torch's
+own tools. Everything runs on CPU with float16 tensors."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import torch
 from torch import Tensor
 
 from tplib.precision import (
+    DECAY_RULES,
     PRECISIONS,
     DynamicLossScaler,
     MixedPrecisionOptimizer,
     PlainOptimizer,
     autocast,
     check_precision,
+    is_matrix,
     make_optimizer,
     param_dtype,
 )
@@ -301,3 +305,116 @@ def test_autocast() -> None:
     for precision in ("fp32", "fp16"):
         with autocast(precision, "cpu"):
             assert (a @ b).dtype == torch.float32
+
+
+# -- weight-decay groups, the learning rate per step, clipping ---------------------------
+
+
+def _decay_split(params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """GPT-3's split, written out: matrices (and the 3-d tensor) decay, vectors do not."""
+    return [p for p in params if len(p.shape) > 1], [p for p in params if len(p.shape) == 1]
+
+
+def test_decay_rules() -> None:
+    assert set(DECAY_RULES) == {"matrices", "all"}
+    vector, matrix, cube = torch.zeros(3), torch.zeros(2, 3), torch.zeros(2, 2, 2)
+    assert [is_matrix(t) for t in (vector, matrix, cube)] == [False, True, True]
+    assert [DECAY_RULES["all"](t) for t in (vector, matrix, cube)] == [True, True, True]
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_exempt_parameters_are_not_decayed(fp16: bool) -> None:
+    """With zero gradients AdamW's only move is the decay, p *= 1 - lr * wd: the exempt
+    vector must not move at all, the others by exactly that factor per step."""
+    dtype = torch.float16 if fp16 else torch.float32
+    params = _params(dtype)
+    cls = MixedPrecisionOptimizer if fp16 else PlainOptimizer
+    opt = cls(params, **HYPER, decay=is_matrix)
+    start = _snapshot(opt.master_params)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.unscale_grads()
+        assert opt.step(False)
+    shrink = (1 - HYPER["lr"] * HYPER["weight_decay"]) ** 3
+    moved = opt.master_params
+    torch.testing.assert_close(moved[0], start[0] * shrink, rtol=1e-6, atol=0)
+    assert torch.equal(moved[1], start[1])  # the vector: exempt
+    torch.testing.assert_close(moved[2], start[2] * shrink, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_decay_groups_and_lr_per_step_follow_torch_adamw(fp16: bool) -> None:
+    dtype = torch.float16 if fp16 else torch.float32
+    params = _params(dtype)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in params]
+    decayed, exempt = _decay_split(ref)
+    groups: list[dict[str, Any]] = [
+        {"params": decayed},
+        {"params": exempt, "weight_decay": 0.0},
+    ]
+    ref_opt = torch.optim.AdamW(groups, **HYPER)
+    cls = MixedPrecisionOptimizer if fp16 else PlainOptimizer
+    opt = cls(params, **HYPER, decay=is_matrix)
+    for i, lr in enumerate([1e-3, 5e-3, 2e-3]):
+        scale = opt.loss_scale
+        if fp16:
+            _set_scaled_grads(params, _true_grads(i), scale)
+        else:
+            for p, g in zip(params, _true_grads(i), strict=True):
+                p.grad = g.clone()
+        for r, p in zip(ref, params, strict=True):
+            assert p.grad is not None
+            r.grad = p.grad.float() / scale
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        opt.unscale_grads()
+        opt.set_lr(lr)
+        assert opt.step(False)
+        opt.zero_grad()
+        ref_opt.step()
+    _assert_equal(opt.master_params, ref)
+
+
+def test_make_optimizer_passes_the_decay_rule() -> None:
+    opt = make_optimizer(_params(torch.float32), "fp32", **HYPER, decay=is_matrix)
+    decays = sorted((len(g["params"]), g["weight_decay"]) for g in opt.inner.param_groups)
+    assert decays == [(1, 0.0), (2, HYPER["weight_decay"])]
+    (group,) = make_optimizer(_params(torch.float32), "fp32", **HYPER).inner.param_groups
+    assert group["weight_decay"] == HYPER["weight_decay"]  # default: every parameter
+
+
+def test_clipping_the_master_grads_is_clipping_the_true_grads() -> None:
+    """fp16: grads() are the unscaled fp32 master grads the step uses; clipping them in
+    place is torch's clip_grad_norm_ on an fp32 model given the true gradients."""
+    params = _params(torch.float16)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in params]
+    ref_opt = torch.optim.AdamW(ref, **HYPER)
+    opt = MixedPrecisionOptimizer(params, **HYPER)
+    max_norm = 1e-3  # the true gradients' norm is ~3e-3: clipping binds
+    for i in range(3):
+        _set_scaled_grads(params, _true_grads(i), opt.loss_scale)
+        for r, p in zip(ref, params, strict=True):
+            assert p.grad is not None
+            r.grad = p.grad.float() / opt.loss_scale
+        assert opt.unscale_grads().item() == 0.0
+        grads = opt.grads()
+        assert [g is m.grad for g, m in zip(grads, opt.master_params, strict=True)] == [True] * 3
+        assert all(g is not None and g.dtype == torch.float32 for g in grads)
+        norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        assert norm > 2 * max_norm
+        got = torch.nn.utils.get_total_norm([g for g in grads if g is not None])
+        torch.testing.assert_close(got, norm, rtol=0, atol=0)  # the same fp32 values
+        torch.nn.utils.clip_grads_with_norm_(opt.master_params, max_norm, got)
+        opt.step(False)
+        opt.zero_grad()
+        ref_opt.step()
+    _assert_equal(opt.master_params, ref)
+
+
+def test_plain_grads_are_the_parameters_own() -> None:
+    params = _params(torch.float32)
+    opt = PlainOptimizer(params, **HYPER)
+    params[0].grad = torch.ones_like(params[0])
+    grads = opt.grads()
+    assert grads[0] is params[0].grad and grads[1] is None and grads[2] is None

@@ -42,6 +42,16 @@ from tplib.runtime import (
         ({"timeout_s": 0}, r"timeout_s=0 must be positive"),
         ({"model": "gpt-5"}, r"unknown model 'gpt-5'"),
         ({"device": "tpu"}, r"device='tpu'"),
+        ({"lr": 0.0}, r"RunConfig.lr=0.0 must be a finite positive learning rate"),
+        ({"grad_clip": -1.0}, r"RunConfig.grad_clip=-1.0 must be a finite norm >= 0 \(0: no clipping\)"),
+        ({"grad_clip": float("inf")}, r"RunConfig.grad_clip=inf must be a finite norm"),
+        ({"weight_decay_params": "biases"}, r"weight_decay_params='biases': choose one of \('matrices', 'all'\)"),
+        ({"lr_schedule": "linear"}, r"RunConfig.lr_schedule='linear': choose one of \('cosine', 'constant'\)"),
+        ({"lr_warmup_steps": -1}, r"RunConfig.lr_warmup_steps=-1 must be an integer >= 0"),
+        ({"lr_warmup_steps": 2.5}, r"RunConfig.lr_warmup_steps=2.5 must be an integer >= 0"),
+        ({"lr_warmup_steps": 4, "lr_decay_steps": 3}, r"RunConfig.lr_decay_steps=3 must be an integer >= lr_warmup_steps=4"),
+        ({"lr_schedule": "constant", "lr_decay_steps": 10}, r"lr_decay_steps=10 with lr_schedule='constant': only the cosine schedule decays"),
+        ({"min_lr_ratio": 1.5}, r"RunConfig.min_lr_ratio=1.5 must lie in \[0, 1\]"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_when_the_config_is_made(fields: dict[str, object], match: str) -> None:
@@ -55,6 +65,23 @@ def test_derived_values_are_computed_once() -> None:
     assert run.plan == Plan.uniform(2, 16, n_token_slices=4)
     assert run.ranges == ((0, 2), (2, 4))
     assert run.cfg is run.cfg and run.schedule_data.n_stages == 2
+
+
+def test_the_optimiser_is_gpt3s_by_default() -> None:
+    run = RunConfig()
+    assert (run.betas, run.adam_eps, run.weight_decay) == ((0.9, 0.95), 1e-8, 0.1)
+    assert (run.weight_decay_params, run.grad_clip) == ("matrices", 1.0)
+    assert (run.lr_schedule, run.lr_warmup_steps, run.min_lr_ratio) == ("cosine", 2, 0.1)
+    # The cosine ends, by default, at the run's last iteration + 1, untimed ones included.
+    schedule = RunConfig(warmup=3, steps=5).lr_schedule_data
+    assert (schedule.kind, schedule.warmup_steps, schedule.decay_steps) == ("cosine", 2, 8)
+    assert schedule.peak == 1e-3 and schedule.min_ratio == 0.1
+    assert RunConfig(steps=5, lr_decay_steps=3).lr_schedule_data.decay_steps == 3
+    # A run inside its warm-up needs no decay end of its own.
+    assert RunConfig(steps=1, lr_warmup_steps=4).lr_schedule_data.decay_steps == 4
+    constant = RunConfig(lr_schedule="constant", lr_warmup_steps=0).lr_schedule_data
+    assert constant.decay_steps is None and constant.lr_at(7) == 1e-3
+    RunConfig(grad_clip=0)  # no clipping
 
 
 def test_one_way_to_say_the_slicing() -> None:
@@ -80,6 +107,12 @@ def test_run_config_round_trips_through_json(tmp_path: Path) -> None:
         batch=2,
         stage_ranges=((0, 1), (1, 4)),
         model_overrides=(("n_layer", 4),),
+        grad_clip=0.5,
+        lr_schedule="cosine",
+        lr_warmup_steps=3,
+        lr_decay_steps=7,
+        min_lr_ratio=0.2,
+        weight_decay_params="all",
     )
     assert run_config_from_dict(run_config_to_dict(run)) == run
     save_run_config(run, tmp_path / "run.json")
@@ -96,7 +129,8 @@ def test_a_run_config_is_checked_without_torch() -> None:
     code = (
         "import sys\n"
         "from tplib.runtime import RunConfig\n"
-        "RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16, slicing=4, recompute='full')\n"
+        "RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16, slicing=4, recompute='full')"
+        ".lr_schedule_data.lr_at(3)\n"
         "try:\n"
         "    RunConfig(precision='fp16')\n"
         "except ValueError:\n"

@@ -23,19 +23,27 @@ An fp16 step, on every rank::
     (loss * opt.loss_scale).backward()      # the last stage scales; gradients flow back scaled
     found = opt.unscale_grads()             # 0-d tensor: 1.0 if any gradient is inf/NaN
     all_reduce(found, MAX)                  # over every rank of the run
-    opt.step(bool(found.item())); opt.zero_grad()
+    if not found: clip(opt.grads())         # the unscaled fp32 master grads, never a skip's
+    opt.set_lr(lr); opt.step(bool(found.item())); opt.zero_grad()
 
 Every rank must take the same decision: data-parallel replicas must stay identical, and
 earlier stages divide gradients scaled by the last stage's loss scale by their own scaler's
 scale, which is only right while all scalers see the same overflow history.
+
+Both optimizers take a ``decay`` predicate choosing the parameters AdamW decays
+(:data:`DECAY_RULES`): GPT-3, like GPT-2 and Megatron, exempts biases and LayerNorm gains
+and biases, the parameters with fewer than two dimensions, since decaying a gain or an
+offset towards zero only fights the normalisation. The others get ``weight_decay``, the
+exempt ones 0, in two AdamW parameter groups.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,12 +51,15 @@ from torch import Tensor
 from tplib.config import PRECISIONS, check_precision
 
 __all__ = [
+    "DECAY_RULES",
     "PRECISIONS",
     "DynamicLossScaler",
     "MixedPrecisionOptimizer",
     "PlainOptimizer",
     "autocast",
     "check_precision",
+    "decay_groups",
+    "is_matrix",
     "make_optimizer",
     "param_dtype",
 ]
@@ -129,6 +140,47 @@ class DynamicLossScaler:
         return True
 
 
+Decay = Callable[[Tensor], bool]  # whether AdamW decays a parameter
+
+
+def is_matrix(param: Tensor) -> bool:
+    """GPT-3's rule: decay product weights and embeddings (ndim >= 2), not biases or
+    LayerNorm gains and biases."""
+    return param.ndim >= 2
+
+
+def _decay_all(param: Tensor) -> bool:
+    return True
+
+
+# RunConfig.weight_decay_params names these (tplib.runtime.config.WEIGHT_DECAY_PARAMS).
+DECAY_RULES: dict[str, Decay] = {"matrices": is_matrix, "all": _decay_all}
+
+
+def decay_groups(
+    params: Sequence[Tensor], tensors: Sequence[Tensor], weight_decay: float, decay: Decay | None
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups over ``tensors`` (the model's ``params`` themselves, or their
+    master copies, in the same order): ``weight_decay`` where ``decay(param)``, 0 elsewhere.
+    ``decay`` None decays every parameter, as torch's AdamW does; empty groups are left out.
+    """
+    rule = _decay_all if decay is None else decay
+    keep = [rule(p) for p in params]
+    groups = [
+        {
+            "params": [t for t, k in zip(tensors, keep, strict=True) if k],
+            "weight_decay": weight_decay,
+        },
+        {"params": [t for t, k in zip(tensors, keep, strict=True) if not k], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _nbytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -154,6 +206,7 @@ class MixedPrecisionOptimizer:
         weight_decay: float,
         eps: float,
         scaler: DynamicLossScaler | None = None,
+        decay: Decay | None = None,
     ) -> None:
         self.params = list(params)
         if not self.params:
@@ -175,7 +228,10 @@ class MixedPrecisionOptimizer:
             master.grad = torch.zeros_like(master)
             self._masters.append(master)
         self.inner = torch.optim.AdamW(
-            self._masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+            decay_groups(self.params, self._masters, weight_decay, decay),
+            lr=lr,
+            betas=betas,
+            eps=eps,
         )
 
     @property
@@ -203,6 +259,16 @@ class MixedPrecisionOptimizer:
                 m.grad.copy_(p.grad).div_(self.scaler.scale)
             finite.append(torch.isfinite(m.grad).all())
         return torch.stack(finite).all().logical_not().to(torch.float32)
+
+    def grads(self) -> list[Tensor | None]:
+        """The gradients :meth:`step` will use, one per parameter in order: the unscaled
+        fp32 master grads (valid after :meth:`unscale_grads`), which gradient clipping
+        scales in place."""
+        return [m.grad for m in self._masters]
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next :meth:`step` (every parameter group)."""
+        _set_lr(self.inner, lr)
 
     @torch.no_grad()
     def step(self, found_inf: bool) -> bool:
@@ -242,6 +308,7 @@ class PlainOptimizer:
         betas: tuple[float, float],
         weight_decay: float,
         eps: float,
+        decay: Decay | None = None,
     ) -> None:
         self.params = list(params)
         if not self.params:
@@ -249,7 +316,10 @@ class PlainOptimizer:
         self.steps_skipped = 0  # never skips: there is no loss scale to back off
         self._device = self.params[0].device
         self.inner = torch.optim.AdamW(
-            self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+            decay_groups(self.params, self.params, weight_decay, decay),
+            lr=lr,
+            betas=betas,
+            eps=eps,
         )
 
     @property
@@ -265,6 +335,15 @@ class PlainOptimizer:
         """Always 0.0, without scanning the gradients: nothing is scaled, so an inf or NaN
         here is a diverged run, which skipping would not cure."""
         return torch.zeros((), dtype=torch.float32, device=self._device)
+
+    def grads(self) -> list[Tensor | None]:
+        """The gradients :meth:`step` will use, one per parameter in order (None where a
+        parameter has none): the model's own."""
+        return [p.grad for p in self.params]
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next :meth:`step` (every parameter group)."""
+        _set_lr(self.inner, lr)
 
     def step(self, found_inf: bool) -> bool:
         self.inner.step()
@@ -285,11 +364,10 @@ def make_optimizer(
     betas: tuple[float, float],
     weight_decay: float,
     eps: float,
+    decay: Decay | None = None,
 ) -> MixedPrecisionOptimizer | PlainOptimizer:
-    """The optimizer for ``precision``: master weights and loss scaling for fp16 only."""
+    """The optimizer for ``precision``: master weights and loss scaling for fp16 only.
+    ``decay`` picks the parameters that get ``weight_decay`` (None: all of them)."""
     _check_known(precision)
-    if precision == "fp16":
-        return MixedPrecisionOptimizer(
-            params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
-        )
-    return PlainOptimizer(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+    cls = MixedPrecisionOptimizer if precision == "fp16" else PlainOptimizer
+    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decay=decay)

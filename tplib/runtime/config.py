@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,13 @@ from tplib.config import (
     padded_vocab,
 )
 from tplib.files import write_json
+from tplib.lr import LR_SCHEDULES, LRSchedule
 from tplib.plan import Plan
 from tplib.schedule import Schedule, make_schedule
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
+    "WEIGHT_DECAY_PARAMS",
     "Hooks",
     "RunConfig",
     "load_run_config",
@@ -39,6 +42,8 @@ __all__ = [
     "run_config_to_dict",
     "save_run_config",
 ]
+
+WEIGHT_DECAY_PARAMS = ("matrices", "all")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,17 @@ class RunConfig:
     sequence; 1 is GPipe's microbatches of one sequence). ``stage_ranges`` gives each
     stage's layers ``[lo, hi)`` (default: as equal as possible).
 
+    The optimiser is GPT-3's (Brown et al., 2020, appendix B) by default: AdamW with
+    betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on the matrices only
+    (``weight_decay_params``), the gradient clipped to a global norm of ``grad_clip``
+    (over the whole model, every stage, op rank and replica: what one device computes),
+    and the learning rate warmed up linearly over ``lr_warmup_steps`` optimizer steps,
+    then decayed with a cosine to ``min_lr_ratio * lr`` at step ``lr_decay_steps`` (by
+    default ``warmup + steps``, the step after the run's last) and held there; see
+    :mod:`tplib.lr` for the exact formula (:attr:`lr_schedule_data`). Steps count every
+    iteration, the untimed ``warmup`` ones included (that ``warmup`` is about timing, not
+    the learning rate), and an fp16 step skipped on overflow still uses up its rate.
+
     The derived values are computed once, when the config is made: :attr:`cfg` (the
     model config with ``model_overrides``), :attr:`plan`, :attr:`ranges` and the
     validated :attr:`schedule_data`.
@@ -74,10 +90,18 @@ class RunConfig:
     stage_ranges: tuple[StageRange, ...] | None = None
     steps: int = 1
     warmup: int = 0  # iterations run before the timed ``steps``
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak learning rate, reached after the LR warm-up
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     adam_eps: float = 1e-8
+    # Which parameters AdamW decays: "matrices" (ndim >= 2: product weights and the
+    # embeddings; biases and LayerNorm gains and biases exempt, as GPT-3) | "all".
+    weight_decay_params: str = "matrices"
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0: no clipping
+    lr_schedule: str = "cosine"  # "cosine" (warm-up, cosine decay, floor) | "constant"
+    lr_warmup_steps: int = 2  # optimizer steps of linear LR warm-up (not ``warmup``)
+    lr_decay_steps: int | None = None  # the step the cosine ends; None: warmup + steps
+    min_lr_ratio: float = 0.1  # the cosine's floor, a fraction of ``lr``
     seed: int = 0  # model initialisation
     data_seed: int = 1  # iteration i trains on synthetic_batch(seed=data_seed + i)
     device: str = "cpu"
@@ -105,6 +129,7 @@ class RunConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"RunConfig.device={self.device!r}: choose 'cpu' or 'cuda'")
         check_precision(self.precision, self.device)
+        self._check_optimiser()
         check_recompute(self.recompute)
         cfg = get_config(self.model, self.model_overrides)
         check_op(cfg, self.n_op)
@@ -129,6 +154,70 @@ class RunConfig:
         check_stage_ranges(cfg, ranges, self.n_stages)
         schedule = make_schedule(self.schedule, self.n_stages, plan)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
+
+    def _check_optimiser(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"RunConfig.lr={self.lr} must be a finite positive learning rate")
+        if self.weight_decay_params not in WEIGHT_DECAY_PARAMS:
+            raise ValueError(
+                f"RunConfig.weight_decay_params={self.weight_decay_params!r}: choose one of "
+                f"{WEIGHT_DECAY_PARAMS} ('matrices': parameters with ndim >= 2, as GPT-3)"
+            )
+        if isinstance(self.grad_clip, bool) or not (
+            isinstance(self.grad_clip, int | float)
+            and math.isfinite(self.grad_clip)
+            and self.grad_clip >= 0
+        ):
+            raise ValueError(
+                f"RunConfig.grad_clip={self.grad_clip!r} must be a finite norm >= 0 "
+                "(0: no clipping)"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"RunConfig.lr_schedule={self.lr_schedule!r}: choose one of {LR_SCHEDULES}"
+            )
+        w = self.lr_warmup_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(
+                f"RunConfig.lr_warmup_steps={w!r} must be an integer >= 0 optimizer steps "
+                "(0: no LR warm-up)"
+            )
+        d = self.lr_decay_steps
+        if d is not None:
+            if self.lr_schedule != "cosine":
+                raise ValueError(
+                    f"RunConfig.lr_decay_steps={d!r} with lr_schedule={self.lr_schedule!r}: "
+                    "only the cosine schedule decays; leave it None"
+                )
+            if isinstance(d, bool) or not isinstance(d, int) or d < w:
+                raise ValueError(
+                    f"RunConfig.lr_decay_steps={d!r} must be an integer >= lr_warmup_steps="
+                    f"{w}: the cosine ends at that step, counted from the first, warm-up "
+                    "included"
+                )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"RunConfig.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]: the "
+                "cosine's floor is that fraction of lr"
+            )
+
+    @property
+    def lr_schedule_data(self) -> LRSchedule:
+        """The learning rate of every optimizer step (see :mod:`tplib.lr`), with the decay's
+        end resolved: ``lr_decay_steps``, by default the run's ``warmup + steps``."""
+        decay = None
+        if self.lr_schedule == "cosine":
+            decay = self.lr_decay_steps
+            if decay is None:
+                # A run shorter than its warm-up never decays: any end >= W will do.
+                decay = max(self.warmup + self.steps, self.lr_warmup_steps)
+        return LRSchedule(
+            self.lr,
+            kind=self.lr_schedule,
+            warmup_steps=self.lr_warmup_steps,
+            decay_steps=decay,
+            min_ratio=self.min_lr_ratio,
+        )
 
     @classmethod
     def for_setting(cls, n: int, **options: Any) -> RunConfig:

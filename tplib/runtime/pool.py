@@ -67,6 +67,12 @@ class RunResult:
         return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
 
     @property
+    def grad_norms(self) -> list[float]:
+        """The global gradient norm before clipping of each timed iteration (every rank
+        computes the same; empty when the run does not clip)."""
+        return min(self.ranks, key=lambda r: r.rank).grad_norms
+
+    @property
     def iteration_s(self) -> list[float]:
         """Wall time of each timed iteration (the slowest rank's, barrier to barrier)."""
         return [max(vals) for vals in zip(*(r.iteration_s for r in self.ranks), strict=True)]

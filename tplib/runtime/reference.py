@@ -4,20 +4,35 @@
 whole sequences (no stages, no slices, no replicas), the same data, initialisation and
 optimiser. The exactness tests compare every schedule, slicing and layout with it:
 losses, gradients after the first iteration and parameters after the last step.
+
+The optimiser recipe is applied here with torch's own tools, independently of the
+runtime's code: parameter groups chosen by ``ndim`` right here,
+``torch.nn.utils.clip_grad_norm_`` on the whole model (whose tied embedding is one
+parameter, counted once: the definition of the global norm the runtime's ranks must
+agree on), and the learning rate driven by ``torch.optim.lr_scheduler`` schedulers
+(:func:`torch_lr_scheduler`), not by :mod:`tplib.lr`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+)
 
 from tplib.data import synthetic_batch
 from tplib.model import build_model
 from tplib.runtime.config import RunConfig
 
-__all__ = ["ReferenceResult", "train_reference"]
+__all__ = ["ReferenceResult", "torch_lr_scheduler", "train_reference"]
 
 
 @dataclass
@@ -25,35 +40,75 @@ class ReferenceResult:
     """A single-process, whole-batch, unsliced run: what every pipeline must reproduce."""
 
     losses: list[float]
-    grads: dict[str, Tensor]  # after the first iteration
+    grads: dict[str, Tensor]  # after the first iteration, before clipping
     params: dict[str, Tensor]  # after the last step
+    # Per timed iteration: the global gradient norm before clipping (empty without
+    # clipping) and the learning rate of the step.
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+
+
+def torch_lr_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> LRScheduler:
+    """``run``'s learning-rate schedule as torch schedulers on ``optimizer`` (whose
+    groups hold the peak rate): linear warm-up from ``lr / (W + 1)``, then a cosine to
+    ``min_lr_ratio * lr`` and that floor, or the peak held ("constant"). Call ``step()``
+    after each optimizer step."""
+    total = run.warmup + run.steps
+    w = run.lr_warmup_steps
+    phases: list[tuple[int, LRScheduler]] = []  # (first step, scheduler)
+    if w > 0:
+        phases.append((0, LinearLR(optimizer, start_factor=1 / (w + 1), total_iters=w)))
+    if run.lr_schedule == "cosine":
+        end = run.lr_decay_steps if run.lr_decay_steps is not None else max(total, w)
+        if end > w:
+            cosine = CosineAnnealingLR(optimizer, T_max=end - w, eta_min=run.min_lr_ratio * run.lr)
+            phases.append((w, cosine))
+        # The floor; total_iters past the run's end, where ConstantLR would restore the peak.
+        phases.append((end, ConstantLR(optimizer, factor=run.min_lr_ratio, total_iters=total + 1)))
+    else:
+        phases.append((w, ConstantLR(optimizer, factor=1.0, total_iters=total + 1)))
+    return SequentialLR(
+        optimizer, schedulers=[s for _, s in phases], milestones=[start for start, _ in phases[1:]]
+    )
 
 
 def train_reference(run: RunConfig) -> ReferenceResult:
     """Train ``run``'s model on one device with whole sequences and the full batch."""
     model = build_model(run.cfg, seed=run.seed)
+    params = list(model.parameters())  # the tied embedding once
+    groups: list[dict[str, Any]]
+    if run.weight_decay_params == "all":
+        groups = [{"params": params}]
+    else:  # GPT-3: no decay for biases and LayerNorm gains and biases (1-d tensors)
+        groups = [
+            {"params": [p for p in params if p.dim() > 1]},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+        ]
     optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=run.lr,
-        betas=run.betas,
-        weight_decay=run.weight_decay,
-        eps=run.adam_eps,
+        groups, lr=run.lr, betas=run.betas, weight_decay=run.weight_decay, eps=run.adam_eps
     )
-    losses: list[float] = []
-    grads: dict[str, Tensor] = {}
+    scheduler = torch_lr_scheduler(optimizer, run)
+    result = ReferenceResult([], {}, {})
     for i in range(run.warmup + run.steps):
         tokens, targets = synthetic_batch(run.cfg, run.batch, run.seq_len, seed=run.data_seed + i)
         loss = model(tokens, targets=targets) / targets.numel()
         loss.backward()
-        if i >= run.warmup:
-            losses.append(loss.item())
+        timed = i >= run.warmup
+        if timed:
+            result.losses.append(loss.item())
+            result.lrs.append(optimizer.param_groups[0]["lr"])
         if i == 0:
-            grads = {
+            result.grads = {
                 n: p.grad.detach().clone()
                 for n, p in model.named_parameters()
                 if p.grad is not None
             }
+        if run.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, run.grad_clip)
+            if timed:
+                result.grad_norms.append(norm.item())
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return ReferenceResult(losses, grads, params)
+    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result

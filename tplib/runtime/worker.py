@@ -9,6 +9,11 @@ sequence's K/V context and routes the K/V gradients between token slices; then t
 gradient all-reduce (across data-parallel replicas, and between the two copies of a tied
 embedding) and the optimizer step. A new kind of action is one method and one table entry.
 
+The step is GPT-3's recipe (:class:`~tplib.runtime.RunConfig`): the gradients are clipped
+to a global norm computed as one device computes it over the whole model (each gradient
+counted once, whichever ranks hold copies of it; one all-reduce over the world), then
+AdamW steps with the learning rate :mod:`tplib.lr` gives the iteration.
+
 Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
 ``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
 one process group per (replica, stage); data parallelism over one per (stage, op rank),
@@ -42,9 +47,9 @@ from torch import Tensor
 
 from tplib.data import synthetic_batch
 from tplib.model import GPTStage, build_model
-from tplib.oppart import OpGroup
+from tplib.oppart import OpGroup, shard_spec
 from tplib.plan import Unit
-from tplib.precision import autocast, make_optimizer, param_dtype
+from tplib.precision import DECAY_RULES, autocast, make_optimizer, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
 from tplib.schedule import Action, Kind
@@ -83,6 +88,9 @@ class RankResult:
     iteration_s: list[float] = field(default_factory=list)
     memory: StageMemory | None = None
     steps_skipped: int = 0  # fp16 steps skipped on overflow
+    # Per timed iteration, the global gradient norm before clipping (the same on every
+    # rank; NaN for a skipped fp16 step); empty when the run does not clip.
+    grad_norms: list[float] = field(default_factory=list)
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
 
@@ -179,7 +187,11 @@ class Worker:
             betas=run.betas,
             weight_decay=run.weight_decay,
             eps=run.adam_eps,
+            decay=DECAY_RULES[run.weight_decay_params],
         )
+        self.lr_schedule = run.lr_schedule_data
+        self.norm_counted = self._norm_counted()
+        self._grad_norms: list[Tensor] = []  # kept on the device: no sync per step
         self.meter = MemoryMeter()
         self.counting = self.device.type == "cpu" and hooks.count_memory
         self.executor = SliceExecutor(
@@ -196,6 +208,24 @@ class Worker:
         self.meter.exclude(context_tensors(self.contexts))
         self.timeout = datetime.timedelta(seconds=run.timeout_s)
         self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
+
+    def _norm_counted(self) -> list[bool]:
+        """Whether this rank adds each of its parameters' gradient (in ``self.params``
+        order) to the global norm: every gradient of the model exactly once.
+
+        Data-parallel replicas hold equal gradients after the all-reduce: replica 0
+        counts them. Replicated parameters (shard_spec None) are equal on every op rank:
+        op rank 0 counts them; every op rank counts its shard of a partitioned one
+        (vocabulary padding rows have zero gradient). The tied embedding's two copies
+        hold the same summed gradient after the tied all-reduce: the first stage counts it.
+        """
+        tied = _shared_weight(self.stage) if self.stage.is_last else None
+        counted = []
+        for name, p in self.stage.named_parameters():  # the order of self.params
+            mine = self.replica == 0 and (self.op_rank == 0 or shard_spec(name) is not None)
+            counted.append(mine and p is not tied)
+        assert len(counted) == len(self.params)
+        return counted
 
     # ---- communication ----------------------------------------------------------------
 
@@ -311,8 +341,9 @@ class Worker:
             offset += g.numel()
 
     def step(self, action: Action, it: _Iteration) -> None:
-        """OPT: the optimizer step on this stage's parameters (with fp16, skipped by every
-        rank together when any gradient overflowed), then zero the gradients."""
+        """OPT: clip the gradients to the run's global norm, set the iteration's learning
+        rate, step this stage's parameters (with fp16, skipped by every rank together when
+        any gradient overflowed, and then not clipped), then zero the gradients."""
         scale = self.optimizer.loss_scale
         if self.hooks.collect_grads and it.index == 0:
             self.result.grads = {
@@ -323,11 +354,36 @@ class Worker:
         found_inf = self.optimizer.unscale_grads()
         if self.run.precision == "fp16":  # all ranks skip together or none does
             self._all_reduce(found_inf, None, dist.ReduceOp.MAX)
-        if not self.optimizer.step(bool(found_inf.item())):
+        skip = bool(found_inf.item())
+        if self.run.grad_clip > 0:
+            # A skipped step's gradients are garbage: neither clipped nor counted.
+            norm = torch.full((), float("nan")) if skip else self._clip_grads()
+            if it.index >= self.run.warmup:
+                self._grad_norms.append(norm)
+        self.optimizer.set_lr(self.lr_schedule.lr_at(it.index))
+        if not self.optimizer.step(skip):
             self.result.steps_skipped += 1
         for p in self.params:
             assert p.grad is not None
             p.grad.zero_()
+
+    def _clip_grads(self) -> Tensor:
+        """Scale the gradients the step will use (fp16: the unscaled fp32 master grads) by
+        ``min(1, grad_clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
+        where ``norm`` is the whole model's gradient norm; return that norm (0-d)."""
+        grads = self.optimizer.grads()
+        mine = [g for g, c in zip(grads, self.norm_counted, strict=True) if c and g is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if mine:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in mine])
+            squares = norms.square().sum()
+        self._all_reduce(squares, None)  # every rank of the world, the same sum on each
+        norm = squares.sqrt()
+        coef = torch.clamp(self.run.grad_clip / (norm + 1e-6), max=1.0)
+        for g in grads:
+            if g is not None:
+                g.mul_(coef.to(g.dtype))
+        return norm
 
     DISPATCH: ClassVar[dict[Kind, Handler]] = {
         Kind.RA: receive,
@@ -430,6 +486,7 @@ class Worker:
         for i in range(self.run.warmup + self.run.steps):
             self.iteration(i, record=i >= self.run.warmup)
         self.result.memory = self._memory()
+        self.result.grad_norms = [float(n) for n in self._grad_norms]
         if self.hooks.collect_params:
             self.result.params = {
                 n: p.detach().float().cpu().clone() for n, p in self.stage.named_parameters()
