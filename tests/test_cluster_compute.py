@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from tplib.cluster import CALIBRATION, P3_16XLARGE
-from tplib.cluster.compute import gemm_time, layer_times
+from tplib.cluster.compute import (
+    DROPOUT_SCORE_BYTES,
+    DROPOUT_TOKEN_ELEMS,
+    gemm_time,
+    hbm_rate,
+    layer_times,
+)
+from tplib.cluster.hardware import FP16
 from tplib.config import get_config
 
 HW = P3_16XLARGE
@@ -67,3 +74,21 @@ def test_megatron_adds_two_ring_allreduces_per_pass() -> None:
     assert diff == pytest.approx(2 * 30e-6)
     # Without operation partitioning there is nothing to all-reduce.
     assert fwd(1, nvlink_efficiency=0.4, collective_latency=50e-6) == fwd(1)
+
+
+def test_dropout_traffic_is_charged_only_when_the_model_drops() -> None:
+    cfg = get_config("GPT3-1B")
+    assert cfg.dropout == 0.1  # GPT-3 trained with dropout
+    length, context = np.array([256.0]), np.array([512.0])
+    with_drop = layer_times(cfg, 1, 2, length, context, cal=CALIBRATION, hw=P3_16XLARGE)
+    without = layer_times(
+        cfg.with_(dropout=0.0), 1, 2, length, context, cal=CALIBRATION, hw=P3_16XLARGE
+    )
+    hbm = hbm_rate(CALIBRATION, P3_16XLARGE)
+    # 2 sequences x 256 tokens; scores: 2 x 16 heads x 256 queries x 768 keys.
+    tokens, scores = 2 * 256, 2 * 16 * 256 * 768
+    token_bytes = tokens * cfg.hidden * FP16 * DROPOUT_TOKEN_ELEMS
+    fwd = (token_bytes + scores * DROPOUT_SCORE_BYTES) / hbm
+    bwd = (2 * token_bytes + scores * DROPOUT_SCORE_BYTES) / hbm
+    np.testing.assert_allclose(with_drop[0] - without[0], fwd, rtol=1e-9)
+    np.testing.assert_allclose(with_drop[1] - without[1], bwd, rtol=1e-9)

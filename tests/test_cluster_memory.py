@@ -110,7 +110,7 @@ RECOMPUTE = ("none", "full")
 N_OPS = (1, 2)
 
 
-def _run_config(schedule: str, n_op: int, recompute: str) -> RunConfig:
+def _run_config(schedule: str, n_op: int, recompute: str, dropout: float = 0.0) -> RunConfig:
     return RunConfig(
         model="tiny",
         schedule=schedule,
@@ -122,19 +122,25 @@ def _run_config(schedule: str, n_op: int, recompute: str) -> RunConfig:
         steps=2,
         recompute=recompute,
         timeout_s=60,
+        model_overrides=(("dropout", dropout),) if dropout else (),
     )
 
 
+Measured = Callable[..., tuple[RunConfig, RunResult]]
+
+
 @pytest.fixture(scope="module")
-def measured() -> Iterator[Callable[[str, int, str], tuple[RunConfig, RunResult]]]:
+def measured() -> Iterator[Measured]:
     """Runs on one LocalPool per world size, each configuration run once and cached."""
     pools: dict[int, LocalPool] = {}
-    results: dict[tuple[str, int, str], tuple[RunConfig, RunResult]] = {}
+    results: dict[tuple[str, int, str, float], tuple[RunConfig, RunResult]] = {}
 
-    def get(schedule: str, n_op: int, recompute: str) -> tuple[RunConfig, RunResult]:
-        key = (schedule, n_op, recompute)
+    def get(
+        schedule: str, n_op: int, recompute: str, dropout: float = 0.0
+    ) -> tuple[RunConfig, RunResult]:
+        key = (schedule, n_op, recompute, dropout)
         if key not in results:
-            run = _run_config(schedule, n_op, recompute)
+            run = _run_config(schedule, n_op, recompute, dropout)
             if run.world_size not in pools:
                 pools[run.world_size] = LocalPool(run.world_size, timeout_s=60)
             results[key] = run, pools[run.world_size].run(run)
@@ -149,12 +155,24 @@ def measured() -> Iterator[Callable[[str, int, str], tuple[RunConfig, RunResult]
 @pytest.mark.parametrize("schedule", MEASURED_SCHEDULES)
 @pytest.mark.parametrize("n_op", N_OPS)
 def test_stage_memory_matches_the_measured_runtime(
-    measured: Callable[[str, int, str], tuple[RunConfig, RunResult]],
-    n_op: int,
-    schedule: str,
-    recompute: str,
+    measured: Measured, n_op: int, schedule: str, recompute: str
 ) -> None:
-    run, result = measured(schedule, n_op, recompute)
+    _check_model_against_measurement(*measured(schedule, n_op, recompute), n_op)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("n_op", N_OPS)
+def test_stage_memory_with_dropout_matches_the_measured_runtime(
+    measured: Measured, n_op: int, recompute: str
+) -> None:
+    # Dropout writes attention out: the scores it keeps grow with each slice's context.
+    run, result = measured("terapipe", n_op, recompute, 0.1)
+    without = measured("terapipe", n_op, recompute)[1]
+    assert max(result.stage_peak_bytes()) > max(without.stage_peak_bytes())
+    _check_model_against_measurement(run, result, n_op)
+
+
+def _check_model_against_measurement(run: RunConfig, result: RunResult, n_op: int) -> None:
     modelled = modelled_memory(run)
     assert len(result.ranks) == 2 * n_op
     for r in result.ranks:

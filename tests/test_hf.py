@@ -386,3 +386,11 @@ def test_op_shards_merge_to_the_whole_model(gpt2: tuple[Any, Path], lo: int, hi:
     for name in vocab_params:  # 97 words over 2 ranks: rank 1's last row is padding
         assert params[1][name].shape[0] == 49
         assert not params[1][name][-1].any(), f"{name}'s padding row is not zero"
+
+
+def test_config_from_hf_reads_the_dropout_rate() -> None:
+    assert config_from_hf(_hf_config()).dropout == 0.0
+    rates = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    assert config_from_hf(_hf_config(**rates)).dropout == 0.1
+    with pytest.raises(ValueError, match=r"dropout rates .* differ"):
+        config_from_hf(_hf_config(**(rates | {"attn_pdrop": 0.0})))

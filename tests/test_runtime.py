@@ -228,6 +228,21 @@ def test_erf_gelu_matches_single_process(pools: Callable[[int], LocalPool], sche
     _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
 
 
+@pytest.mark.parametrize("schedule", list(SLICED))
+def test_dropout_matches_single_process(pools: Callable[[int], LocalPool], schedule: str) -> None:
+    # Masks keyed by position: every slice, stage and replica drops what the whole batch
+    # drops in the reference (tplib.dropout), recomputed or not.
+    run = _config(
+        schedule, 2, 2, SLICED[schedule], recompute="full", model_overrides=(("dropout", 0.1),)
+    )
+    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+
+
+def test_dropout_on_a_3d_layout_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
+    run = _config("terapipe", 2, 2, SLICED["terapipe"], n_op=2, model_overrides=(("dropout", 0.1),))
+    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+
+
 def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
     trace = pools(2).run(run).trace

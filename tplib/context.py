@@ -30,7 +30,7 @@ Two implementations of a slice's attention, chosen by :func:`slice_attention`:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -39,7 +39,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["ATTENTION_IMPLS", "LayerContext", "StageContext", "slice_attention"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "LayerContext",
+    "ProbsDropout",
+    "StageContext",
+    "math_attention",
+    "slice_attention",
+]
+
+# Drops attention probabilities (batch, heads, queries, keys) given the queries' and
+# keys' absolute positions; see tplib.dropout.
+ProbsDropout = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 ATTENTION_IMPLS = ("split", "masked")
 
@@ -171,11 +182,35 @@ class _AppendKV(torch.autograd.Function):
         return grads[0], grads[1], None, None
 
 
-def slice_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerContext, start: int) -> Tensor:
+def math_attention(
+    q: Tensor, keys: Tensor, values: Tensor, start: int, probs_dropout: ProbsDropout
+) -> Tensor:
+    """Causal attention written out, with dropout on the probabilities: queries at
+    positions ``start..`` over ``keys``/``values`` at positions ``0..``. The fused kernels
+    draw their dropout masks from a generator in call order; this path drops by position
+    (see :mod:`tplib.dropout`), so a sliced run drops what the whole sequence drops."""
+    length, end = q.shape[2], keys.shape[2]
+    qpos = torch.arange(start, start + length, device=q.device)
+    kpos = torch.arange(end, device=q.device)
+    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(kpos > qpos.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs_dropout(probs, qpos, kpos) @ values
+
+
+def slice_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer: LayerContext,
+    start: int,
+    probs_dropout: ProbsDropout | None = None,
+) -> Tensor:
     """Causal attention of a slice's queries over the context ``[0, start)`` and itself.
 
     ``q``, ``k``, ``v`` are the slice's own ``(batch, n_head, length, head_dim)``; its keys
-    and values are written into ``layer`` at ``start``.
+    and values are written into ``layer`` at ``start``. With ``probs_dropout`` the
+    attention is :func:`math_attention` over the context's keys and values.
     """
     end = start + k.shape[2]
     if end > layer.seq_len:
@@ -186,6 +221,9 @@ def slice_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerContext, start:
         # A new pass over this sequence: nothing has been accumulated for it yet.
         layer.grad_k.zero_()
         layer.grad_v.zero_()
+    if probs_dropout is not None:
+        keys, values = _AppendKV.apply(k, v, layer, start)
+        return math_attention(q, keys, values, start, probs_dropout)
     impl = layer.impl or (
         "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
     )

@@ -141,6 +141,12 @@ def config_from_hf(hf_config: PreTrainedConfig, name: str = "gpt2-hf") -> GPTCon
         )
     if getattr(cfg, "add_cross_attention", False):
         raise ValueError("add_cross_attention=True is not supported: tplib is decoder-only")
+    rates = {f: float(getattr(cfg, f)) for f in ("embd_pdrop", "attn_pdrop", "resid_pdrop")}
+    if len(set(rates.values())) > 1:
+        raise ValueError(
+            f"dropout rates {rates} differ: tplib's model has one dropout rate "
+            "(GPTConfig.dropout) for the embeddings, attention and residual branches"
+        )
     return GPTConfig(
         name=name,
         n_layer=cfg.n_layer,
@@ -152,6 +158,7 @@ def config_from_hf(hf_config: PreTrainedConfig, name: str = "gpt2-hf") -> GPTCon
         layer_norm_eps=float(cfg.layer_norm_epsilon),
         init_std=float(cfg.initializer_range),
         gelu=GELU_OF_ACTIVATION[act],
+        dropout=rates["resid_pdrop"],
     )
 
 

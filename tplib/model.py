@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tplib.config import GPTConfig, check_op, padded_vocab
-from tplib.context import LayerContext, StageContext, slice_attention
+from tplib.context import LayerContext, StageContext, math_attention, slice_attention
+from tplib.dropout import SITE_ATTENTION, SITE_EMBEDDING, SITE_MLP, SITE_PROBS, DropoutKey, keep
 from tplib.oppart import (
     OpGroup,
     copy_to_group,
@@ -118,6 +120,42 @@ def _op_size(op: OpGroup | None) -> int:
     return 1 if op is None else op.size
 
 
+class _Dropout:
+    """Dropout of one forward of a stage over b sequences and a slice of positions,
+    keyed by where each element is (see :mod:`tplib.dropout`)."""
+
+    def __init__(self, p: float, key: DropoutKey, x: Tensor, start: int) -> None:
+        self.p, self.key, self.scale = p, key, 1.0 / (1.0 - p)
+        self.rows = key.rows(x.shape[0], x.device)
+        self.positions = torch.arange(start, start + x.shape[1], device=x.device)
+
+    def _apply(self, x: Tensor, mask: Tensor) -> Tensor:
+        return x.masked_fill(~mask, 0.0) * self.scale
+
+    def hidden(self, x: Tensor, site: int) -> Tensor:
+        """Hidden states (batch, length, hidden), whole on every op rank."""
+        features = torch.arange(x.shape[-1], device=x.device)
+        mask = keep(
+            self.p, self.key, site, self.rows[:, None, None], self.positions[:, None], features
+        )
+        return self._apply(x, mask)
+
+    def probs(self, site: int, heads: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """Attention probabilities (batch, heads, queries, keys); ``heads`` are the
+        global indices of this rank's heads."""
+
+        def drop(probs: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+            rows = self.rows[:, None, None, None]
+            mask = keep(self.p, self.key, site, rows, heads[:, None, None], qpos[:, None], kpos)
+            return self._apply(probs, mask)
+
+        return drop
+
+
+def _site(layer: int, kind: int) -> int:
+    return 4 * (layer + 1) + kind
+
+
 class CausalSelfAttention(nn.Module):
     """Causal self-attention over this rank's ``n_head / #Op`` heads."""
 
@@ -128,17 +166,30 @@ class CausalSelfAttention(nn.Module):
         self.width = self.n_head * cfg.head_dim  # this rank's share of the hidden size
         self.qkv = Linear(cfg.hidden, 3 * self.width)
         self.proj = Linear(self.width, cfg.hidden, op)
+        first_head = (0 if op is None else op.rank) * self.n_head
+        # Global indices of this rank's heads (dropout masks are keyed by them).
+        heads = torch.arange(first_head, first_head + self.n_head)
+        self.heads: Tensor
+        self.register_buffer("heads", heads, persistent=False)
 
-    def forward(self, x: Tensor, start: int = 0, context: LayerContext | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        context: LayerContext | None = None,
+        drop: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
         b, length, _ = x.shape
         q, k, v = (
             t.view(b, length, self.n_head, -1).transpose(1, 2)
             for t in self.qkv(copy_to_group(x, self.op)).split(self.width, dim=2)
         )
-        if context is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if context is not None:
+            y = slice_attention(q, k, v, context, start, drop)
+        elif drop is not None:
+            y = math_attention(q, k, v, 0, drop)
         else:
-            y = slice_attention(q, k, v, context, start)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, length, self.width))
 
 
@@ -168,9 +219,21 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg, op)
 
-    def forward(self, x: Tensor, start: int = 0, context: LayerContext | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), start, context)
-        return x + self.mlp(self.ln_2(x))
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        context: LayerContext | None = None,
+        drop: tuple[_Dropout, int] | None = None,
+    ) -> Tensor:
+        if drop is None:
+            x = x + self.attn(self.ln_1(x), start, context)
+            return x + self.mlp(self.ln_2(x))
+        dropout, layer = drop
+        probs = dropout.probs(_site(layer, SITE_PROBS), self.attn.heads)
+        a = self.attn(self.ln_1(x), start, context, probs)
+        x = x + dropout.hidden(a, _site(layer, SITE_ATTENTION))
+        return x + dropout.hidden(self.mlp(self.ln_2(x)), _site(layer, SITE_MLP))
 
 
 def check_stage_range(cfg: GPTConfig, lo: int, hi: int) -> None:
@@ -280,17 +343,25 @@ class GPTStage(nn.Module):
         start: int = 0,
         context: StageContext | None = None,
         targets: Tensor | None = None,
+        dropout: DropoutKey | None = None,
     ) -> Tensor:
         length = x.shape[1]
         self._check_length(start, length)
         if context is None and start != 0:
             raise ValueError(f"start={start} without a context: a slice needs its K/V context")
+        # Dropout only in training, which the caller says by giving the iteration's key.
+        drop = None
+        if dropout is not None and self.cfg.dropout > 0:
+            drop = _Dropout(self.cfg.dropout, dropout, x, start)
         if self.is_first:
             positions = torch.arange(start, start + length, device=x.device)
             x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
             x = x + self.wpe(positions)
+            if drop is not None:
+                x = drop.hidden(x, SITE_EMBEDDING)
         for i, block in self.blocks.items():
-            x = block(x, start, None if context is None else context[int(i)])
+            layer = None if drop is None else (drop, int(i))
+            x = block(x, start, None if context is None else context[int(i)], layer)
         if not self.is_last:
             return x
         logits = self.head(copy_to_group(self.ln_f(x), self.op))

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from tplib.config import RECOMPUTE_MODES, check_recompute
 from tplib.context import StageContext
+from tplib.dropout import DropoutKey
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
 
@@ -50,10 +51,17 @@ class _Saved:
 class SliceExecutor:
     """Runs one stage over the units of a plan.
 
+    One executor sees one stage: when the first and last stages are separate, each holds
+    a copy of the tied embedding and its own part of the gradient; the caller sums them
+    (:func:`run_pipeline_local` and the runtime do).
+
     ``loss_scale`` multiplies each unit's summed cross-entropy on the last stage; set it to
     ``1 / (global batch * seq_len)`` and the gradients are those of the mean loss.
     ``grad_scale`` multiplies the gradient backward starts from on the last stage (fp16's
-    dynamic loss scale), without changing the loss returned. ``hold``, if given, is
+    dynamic loss scale), without changing the loss returned. ``dropout``: the key of the
+    iteration being trained, for the plan's first sequence (None: no dropout); each unit
+    drops what the same positions of the same sequences drop in one whole-batch forward.
+    ``hold``, if given, is
     told about every tensor the executor keeps alive between a unit's forward and
     backward (a memory meter counts them).
     """
@@ -76,6 +84,7 @@ class SliceExecutor:
         self.plan = plan
         self.loss_scale = loss_scale
         self.grad_scale = 1.0
+        self.dropout: DropoutKey | None = None
         self.recompute = recompute
         self.hold = hold
         if plan.seq_len > stage.cfg.seq_len:
@@ -135,8 +144,15 @@ class SliceExecutor:
 
     def _run(self, unit: Unit, x: Tensor, targets: Tensor | None) -> Tensor:
         b, t = unit.b, unit.t
+        key = self.dropout
+        if key is not None:
+            key = DropoutKey(key.seed, key.first_row + self.plan.batch_offset(b))
         out = self.stage(
-            x, start=self.plan.token_offset(b, t), context=self.context(b), targets=targets
+            x,
+            start=self.plan.token_offset(b, t),
+            context=self.context(b),
+            targets=targets,
+            dropout=key,
         )
         return out * self.loss_scale if self.stage.is_last else out
 
@@ -190,9 +206,11 @@ def run_pipeline_local(
     loss_scale: float | None = None,
     attention: str | None = None,
     recompute: str = "none",
+    dropout: DropoutKey | None = None,
 ) -> Tensor:
     """Forward and backward a batch through ``stages`` chained in this process: every unit
-    forward through every stage, then every unit backward in reverse order.
+    forward through every stage, then every unit backward in reverse order. ``dropout``:
+    train with dropout, keyed for row 0 of ``x`` (see :mod:`tplib.dropout`).
 
     ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
     grad, its gradient is accumulated in ``x.grad``. A chain from the first stage to the
@@ -217,6 +235,8 @@ def run_pipeline_local(
         SliceExecutor(s, plan, loss_scale=scale or 1.0, attention=attention, recompute=recompute)
         for s in stages
     ]
+    for ex in executors:
+        ex.dropout = dropout
     outputs: list[Tensor] = []
     for unit in plan.units():
         h = unit_rows(plan, unit, x)
@@ -255,6 +275,8 @@ def _sum_tied_gradients(stages: Sequence[GPTStage]) -> None:
     head.grad.copy_(total)
 
 
-def full_batch_loss(model: GPTStage, tokens: Tensor, targets: Tensor) -> Tensor:
+def full_batch_loss(
+    model: GPTStage, tokens: Tensor, targets: Tensor, dropout: DropoutKey | None = None
+) -> Tensor:
     """The single-device reference: mean next-token loss of whole sequences, no slicing."""
-    return model(tokens, targets=targets) / targets.numel()
+    return model(tokens, targets=targets, dropout=dropout) / targets.numel()

@@ -15,6 +15,8 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
 * memory-bound kernels at ``hbm_efficiency`` x 900 GB/s: LayerNorms, residuals, dropout,
   biases, activation (:data:`TOKEN_BYTES_FWD`) and the score matrix (scale, mask, fp32
   softmax, dropout: :data:`SCORE_BYTES_FWD` / :data:`SCORE_BYTES_BWD` bytes per score);
+  dropout's share only when the model trains with dropout (``GPTConfig.dropout``; the
+  paper's GPT-3 configs, as GPT-3 trained with 0.1);
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
   over NVLink, a ring (:func:`~tplib.costs.ring_allreduce`) plus ``collective_latency``.
 
@@ -40,6 +42,12 @@ TOKEN_BYTES_FWD = (15.0, 16.0)  # per (token, hidden) element: (replicated, per 
 # per #Op share: QKV and FC1 biases, the activation over 4H.
 SCORE_BYTES_FWD = 16.0  # per attention score: write, scale, mask, fp32 softmax, dropout
 SCORE_BYTES_BWD = 32.0
+# Dropout's share of the above, charged only when the model trains with dropout
+# (GPTConfig.dropout > 0, as GPT-3 did): forward, each of the 2 residual-branch dropouts
+# reads and writes fp16 and writes a 1-byte mask (2.5 elements); on the scores the same
+# 5 bytes; the backward reads the gradient and the mask and writes (also 5 bytes).
+DROPOUT_TOKEN_ELEMS = 2 * 2.5
+DROPOUT_SCORE_BYTES = 5.0
 
 
 def hbm_rate(cal: Calibration, hw: Hardware) -> float:
@@ -109,19 +117,23 @@ def layer_times(
     attn = gemm(s, keys, dh, pairs) + gemm(s, dh, keys, pairs)
     scores = pairs * s * keys
     rep, part = TOKEN_BYTES_FWD
+    score_fwd, score_bwd = SCORE_BYTES_FWD, SCORE_BYTES_BWD
+    if cfg.dropout == 0:  # nothing to drop: the model does not pay for dropout
+        rep -= DROPOUT_TOKEN_ELEMS
+        score_fwd, score_bwd = score_fwd - DROPOUT_SCORE_BYTES, score_bwd - DROPOUT_SCORE_BYTES
     elementwise = tokens * h * FP16 * (rep + part / n_op) / hbm
     megatron: float | np.ndarray = 0.0
     if n_op > 1:
         ring = ring_allreduce(FP16 * tokens * h, n_op, nvlink_bus(cal, hw))
         megatron = 2 * (ring + cal.collective_latency)
-    fwd = fwd_gemm + attn + scores * SCORE_BYTES_FWD / hbm + elementwise + megatron
+    fwd = fwd_gemm + attn + scores * score_fwd / hbm + elementwise + megatron
     params = n_params_per_layer(cfg) / n_op
     accumulate = 3 * FP16 * params / hbm  # w.grad += dW per slice
     kv_grad = 3 * 2 * FP16 * b * c * h / n_op / hbm  # context grads += update
     bwd = (
         bwd_gemm
         + 2 * attn
-        + scores * SCORE_BYTES_BWD / hbm
+        + scores * score_bwd / hbm
         + 2 * elementwise
         + megatron
         + accumulate

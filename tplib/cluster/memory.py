@@ -204,31 +204,44 @@ def stage_memory(
     h, e = cfg.hidden, inv.hidden
     first, last = lo == 0, hi == cfg.n_layer
     vocab_rows = -(-cfg.vocab_size // n_op)
+    heads = cfg.n_head / n_op
+    # With dropout (tplib.dropout) attention is written out: no log-sum-exp, but per
+    # score the fp32 softmax, the 1-byte mask and the dropped probabilities; and a 1-byte
+    # mask per hidden element of each residual branch (and of the embeddings).
+    dropout = cfg.dropout > 0
+    per_head = 0.0 if dropout else inv.per_head
+    score_bytes = (FP32 + 1 + (FP32 if precision == "fp32" else FP16)) if dropout else 0.0
     per_token_layer = (
-        inv.replicated * h
-        + inv.partitioned * h / n_op
-        + inv.norm_stats
-        + inv.per_head * cfg.n_head / n_op
-    )
+        inv.replicated * h + inv.partitioned * h / n_op + inv.norm_stats + per_head * heads
+    ) + (2 * h if dropout else 0)
     # Beyond the layers: a middle stage's output waits for its backward; the last keeps
     # ln_f's input, the head's input (its copy under autocast), ln_f's statistics and the
     # cross-entropy's fp32 softmax.
     head_input = FP16 if precision == "bf16" else e
     extra = (e + head_input) * h + 2 * FP32 + vocab_rows * FP32 if last else h * e
+    extra += h if dropout and first else 0
     per_token = (hi - lo) * per_token_layer + extra
     own_input = 0.0 if first else h * e  # counted in the layers: LN1 keeps it
 
     def tokens(u: Unit) -> int:
         return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
 
+    def scores(u: Unit) -> float:  # the unit's kept attention scores, all its layers
+        length, end = plan.token_slices[u.b][u.t], plan.token_offset(u.b, u.t)
+        end += length
+        return (hi - lo) * heads * plan.batch_slices[u.b] * length * end * score_bytes
+
+    def kept(u: Unit) -> float:
+        return tokens(u) * per_token + scores(u)
+
     if recompute == "full":
         acts = peak_in_flight(
             actions,
             kept=lambda u: tokens(u) * own_input,
-            rebuilt=lambda u: tokens(u) * (per_token - own_input - (0 if last else h * e)),
+            rebuilt=lambda u: kept(u) - tokens(u) * (own_input + (0 if last else h * e)),
         )
     else:
-        acts = peak_in_flight(actions, kept=lambda u: tokens(u) * per_token)
+        acts = peak_in_flight(actions, kept=kept)
     # The products' weights (and the head, which may be the tied embedding).
     products = (hi - lo) * 12 * h * h // n_op + (vocab_rows * h if last else 0)
     acts += inv.weight_copy * products

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import (
 )
 
 from tplib.data import synthetic_batch
+from tplib.dropout import DropoutKey
 from tplib.model import build_model
 from tplib.runtime.config import RunConfig
 
@@ -91,7 +92,8 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     result = ReferenceResult([], {}, {})
     for i in range(run.warmup + run.steps):
         tokens, targets = synthetic_batch(run.cfg, run.batch, run.seq_len, seed=run.data_seed + i)
-        loss = model(tokens, targets=targets) / targets.numel()
+        key = DropoutKey.for_iteration(run.seed, i) if run.cfg.dropout > 0 else None
+        loss = model(tokens, targets=targets, dropout=key) / targets.numel()
         loss.backward()
         timed = i >= run.warmup
         if timed:

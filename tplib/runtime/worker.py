@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tplib.data import synthetic_batch
+from tplib.dropout import DropoutKey
 from tplib.model import GPTStage, build_model
 from tplib.oppart import OpGroup, shard_spec
 from tplib.plan import Unit
@@ -419,6 +420,10 @@ class Worker:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         it = _Iteration(index, tokens[mine], targets[mine], loss)
         self.executor.grad_scale = self.optimizer.loss_scale
+        if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
+            self.executor.dropout = DropoutKey.for_iteration(
+                run.seed, index, self.replica * run.pipeline_batch
+            )
         dist.barrier()
         t0 = time.perf_counter()
         self._maybe_fault()

@@ -1,0 +1,71 @@
+"""Dropout whose masks depend on where an element is, not on when it is computed.
+
+GPT-2 and GPT-3 train with dropout (p = 0.1) on the embeddings, on the attention
+probabilities and on each residual branch. A pipeline computes a sequence in token
+slices, on several stages and op ranks, in an order the schedule chooses, and with
+recomputation computes some of it twice; torch's dropout draws its mask from a global
+generator in call order, so none of these would drop the same elements as one device
+computing the whole batch. Here every mask element is a hash of the element's coordinates:
+the iteration's seed, the layer and site, the sequence's row in the global batch, its
+token position (and, for attention, the key's position and the head) and the feature.
+Any slicing, layout or recomputation of the same iteration therefore drops exactly the
+same elements, and the exactness tests hold with dropout on.
+
+The hash is a chain of 32-bit integer mixes (``lowbias32``, by Chris Wellons' hash
+prospector) on int64 tensors; it is a deterministic stand-in for a random generator,
+statistically fine for dropout, and costs a few integer operations per element.
+
+A :class:`DropoutKey` (the iteration's seed and the first sequence's global row) is
+what the caller passes to the model to train with dropout; without one the model runs
+without dropout (evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SITE_ATTENTION", "SITE_EMBEDDING", "SITE_MLP", "SITE_PROBS", "DropoutKey", "keep"]
+
+SITE_EMBEDDING, SITE_PROBS, SITE_ATTENTION, SITE_MLP = 0, 1, 2, 3
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """Which iteration (``seed``) and which sequences (global rows from ``first_row``)."""
+
+    seed: int
+    first_row: int = 0
+
+    @staticmethod
+    def for_iteration(seed: int, iteration: int, first_row: int = 0) -> DropoutKey:
+        """The key of training iteration ``iteration`` of a run seeded ``seed``."""
+        return DropoutKey(seed * 1_000_003 + iteration, first_row)
+
+    def rows(self, batch: int, device: torch.device) -> Tensor:
+        return torch.arange(self.first_row, self.first_row + batch, device=device)
+
+
+def _mix(x: Tensor) -> Tensor:
+    # lowbias32 on the low 32 bits. int64 products wrap modulo 2^64, which keeps the low
+    # 32 bits exact, and every value is masked back to 32 bits before the next shift.
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keep(p: float, key: DropoutKey, site: int, *coords: Tensor) -> Tensor:
+    """The keep mask (True: kept) of dropout with probability ``p`` over the broadcast
+    of the integer coordinate tensors ``coords`` (e.g. rows, positions, features)."""
+    h = _mix(torch.tensor(key.seed & _MASK32) ^ (torch.tensor(key.seed >> 32) * 0x9E3779B9))
+    h = _mix(h ^ site)
+    for c in coords:
+        h = _mix(h.to(c.device) ^ c.to(torch.int64))
+    threshold = int(p * 2**32)
+    return h >= threshold
