@@ -168,7 +168,12 @@ def test_config_from_hf_reads_every_field() -> None:
     assert (cfg.name, cfg.n_layer, cfg.hidden, cfg.n_head, cfg.seq_len) == ("mine", 3, 48, 6, 40)
     assert (cfg.vocab_size, cfg.layer_norm_eps, cfg.init_std) == (101, 1e-6, 0.01)
     assert (cfg.gelu, cfg.tie_embeddings) == ("erf", False)
-    for act, gelu in [("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"), ("gelu", "erf")]:
+    for act, gelu in [
+        ("gelu_new", "tanh"),
+        ("gelu_pytorch_tanh", "tanh"),
+        ("gelu_fast", "tanh"),
+        ("gelu", "erf"),
+    ]:
         assert config_from_hf(_hf_config(activation_function=act)).gelu == gelu
 
 
@@ -176,7 +181,7 @@ def test_config_from_hf_reads_every_field() -> None:
     ("changes", "field"),
     [
         ({"activation_function": "relu"}, "activation_function='relu'"),
-        ({"activation_function": "gelu_fast"}, "activation_function='gelu_fast'"),
+        ({"activation_function": "silu"}, "activation_function='silu'"),
         ({"n_inner": 128}, "n_inner=128"),
         ({"scale_attn_weights": False}, "scale_attn_weights"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
@@ -219,7 +224,13 @@ def test_importing_tplib_hf_needs_no_transformers() -> None:
 
 @pytest.mark.parametrize(
     ("activation", "tied"),
-    [("gelu_new", True), ("gelu_pytorch_tanh", True), ("gelu", True), ("gelu_new", False)],
+    [
+        ("gelu_new", True),
+        ("gelu_pytorch_tanh", True),
+        ("gelu_fast", True),
+        ("gelu", True),
+        ("gelu_new", False),
+    ],
 )
 def test_logits_match_hf(tmp_path: Path, activation: str, tied: bool) -> None:
     hf = _hf_model(activation_function=activation, tie_word_embeddings=tied)

@@ -68,9 +68,15 @@ if TYPE_CHECKING:
 
 __all__ = ["GELU_OF_ACTIVATION", "config_from_hf", "load_gpt2"]
 
-# Hugging Face's activation_function -> GPTConfig.gelu. "gelu_new" and
-# "gelu_pytorch_tanh" are both GELU's tanh approximation (GPT-2's own), "gelu" the exact one.
-GELU_OF_ACTIVATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+# Hugging Face's activation_function -> GPTConfig.gelu. "gelu_new", "gelu_pytorch_tanh"
+# and "gelu_fast" are all GELU's tanh approximation (GPT-2's own, written three ways),
+# "gelu" the exact one.
+GELU_OF_ACTIVATION = {
+    "gelu_new": "tanh",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_fast": "tanh",
+    "gelu": "erf",
+}
 
 _INSTALL = "pip install 'tplib[hf]'"
 # Causal-mask buffers of older checkpoints (GPT2Attention registered them): not weights.

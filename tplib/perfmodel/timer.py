@@ -148,9 +148,11 @@ class StageTimer:
         self.forward_fractions.append(float(np.median(forwards[self.warmup :])) / total)
         return total
 
-    def optimizer_time(self, repeats: int = 5, **adamw: float) -> float:
-        """Median seconds of one AdamW step plus ``zero_grad``, what the runtime's ``OPT``
-        action does. ``adamw`` are optimizer options (the runtime's: lr, betas, ...)."""
+    def optimizer_time(self, repeats: int = 5, grad_clip: float = 1.0, **adamw: float) -> float:
+        """Median seconds of what the runtime's ``OPT`` action does on this machine: the
+        gradient norm and its clipping (``grad_clip`` > 0; the all-reduce of the norm is
+        communication, not timed here), one AdamW step, and zeroing the gradients, which
+        stay allocated. ``adamw`` are optimizer options (the runtime's: lr, betas, ...)."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, **adamw)  # type: ignore[arg-type]
         times = []
@@ -159,8 +161,12 @@ class StageTimer:
                 p.grad = torch.randn_like(p) * 1e-3
             self._sync()
             t0 = time.perf_counter()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            for p in params:
+                assert p.grad is not None
+                p.grad.zero_()
             self._sync()
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
