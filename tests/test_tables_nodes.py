@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tplib.paper import GPIPE, TERAPIPE, main_row
+from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row
 from tplib.runtime import RunConfig, save_run_config, train_reference
 from tplib.runtime.layouts import Launch, run_on_nodes
 from tplib.runtime.torchrun import load_result
@@ -71,3 +71,31 @@ def test_launch_rejects_bad_descriptions() -> None:
         Launch("mpirun")
     with pytest.raises(ValueError, match=r"must contain \{config\} and \{out\}"):
         Launch(command="torchrun train.py")
+
+
+def test_ablation_rows_come_from_the_runs_results(tmp_path: Path) -> None:
+    stand_in = tmp_path / "stand_in.json"
+    save_run_config(TINY, stand_in)
+    command = (
+        "{python} -m torch.distributed.run --standalone --nproc-per-node 2 "
+        f"-m tplib.runtime.torchrun --config {stand_in} --out {{out}}  # for {{config}}"
+    )
+    result = run_table(
+        "dp_ablation",
+        "measure",
+        settings=[8],
+        launch={"command": command, "workdir": str(tmp_path)},
+        iters=3,
+    )
+    df = result.df
+    refs = ablation_rows(8)
+    assert list(df.algorithm) == [r.algorithm for r in refs]
+    assert list(df.paper_latency) == [r.latency for r in refs]
+    for name, latency in zip(df.algorithm, df.latency, strict=True):
+        tag = "setting8-" + name.replace("#Slices=", "slices")
+        assert latency == load_result(tmp_path / f"{tag}.pt").median_latency_s
+        written = (tmp_path / f"{tag}.json").read_text()
+        assert '"n_op": 8' in written and '"schedule": "terapipe"' in written
+    # The uniform rows' configs carry the paper's uniform plans for setting (8).
+    assert '"slicing": "[(1, [512] * 4)] * 8"' in (tmp_path / "setting8-slices4.json").read_text()
+    assert sorted(df["rank"]) == sorted(df.latency.rank(method="min").astype(int))

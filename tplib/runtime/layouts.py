@@ -38,9 +38,13 @@ PLAN_SOURCES = ("cluster", "paper", "gpipe")  # or the path of a measured profil
 GPUS_PER_NODE = 8  # p3.16xlarge, the paper's nodes
 
 
-def setting_plan(n: int, source: str = "cluster", seq_len: int | None = None) -> Plan:
-    """The plan setting ``n`` trains with, from ``source`` (see the module docstring)."""
+def setting_plan(n: int, source: str | Plan = "cluster", seq_len: int | None = None) -> Plan:
+    """The plan setting ``n`` trains with, from ``source`` (see the module docstring), or
+    ``source`` itself when it is a :class:`~tplib.plan.Plan` (checked to cover B/#Data x L)."""
     s = setting(n, seq_len)
+    if isinstance(source, Plan):
+        source.check_covers(s.pipeline_batch, s.seq_len)
+        return source
     if source == "gpipe":
         return s.gpipe_plan()
     if source == "paper":  # Table 2's plan, or Table 4's for setting (5) at another L
@@ -75,7 +79,7 @@ def setting_plan(n: int, source: str = "cluster", seq_len: int | None = None) ->
 def setting_run(
     n: int,
     *,
-    plan: str = "cluster",
+    plan: str | Plan = "cluster",
     seq_len: int | None = None,
     precision: str = "fp16",
     recompute: str = "none",
@@ -84,7 +88,8 @@ def setting_run(
     warmup: int = 2,
     timeout_s: float = 600.0,
 ) -> RunConfig:
-    """Table 1 row ``n`` (or its Table-4 variant at ``seq_len``) as a run."""
+    """Table 1 row ``n`` (or its Table-4 variant at ``seq_len``) as a run; ``plan`` is a
+    plan source (see :func:`setting_plan`) or a plan."""
     s = setting(n, seq_len)
     p = setting_plan(n, plan, seq_len)
     return RunConfig(

@@ -79,11 +79,29 @@ def measure(
     link: Sequence[float] | None = None,
     pool: LocalPool | None = None,
     progress: bool = True,
+    settings: Sequence[int] = (),
+    launch: Mapping[str, Any] | None = None,
+    plan: str = "cluster",
+    precision: str = "fp16",
 ) -> Rows:
     """Table 3 at CPU scale: uniform token slicing (``#Slices=n``, batch slices of one
     sequence) against the DP's plan (``DP``), all run as ``terapipe``, measured and
     simulated. ``rank`` orders the rows by measured median latency (1: fastest),
-    ``simulated_rank`` by the simulator's. Slice counts must cut L on the profile's grid."""
+    ``simulated_rank`` by the simulator's. Slice counts must cut L on the profile's grid.
+
+    On GPU nodes: with ``settings`` (the paper's are 8 and 9) and a ``launch``
+    description, the paper's rows of those settings at full scale instead (see
+    :mod:`tplib.tables.nodes`)."""
+    if settings or launch is not None:
+        if not settings or launch is None:
+            raise ValueError(
+                f"settings={list(settings)} and launch={launch!r}: measuring Table 3 rows on "
+                "GPU nodes needs both the settings and how to launch them"
+            )
+        from tplib.tables.nodes import ablation_rows_on_nodes
+
+        df = ablation_rows_on_nodes(settings, launch, plan=plan, precision=precision, steps=iters)
+        return Rows(df)
     from tplib.measure.harness import measured_bench  # starts processes: torch
 
     prof = Profiling.of(profiling)
@@ -139,10 +157,16 @@ TABLE = Table(
         ),
         "measure": TableMode(
             measure,
-            figure=lambda rows: plots.measured_ablation_figure(rows.df),
-            findings=findings.measured,
-            columns="algorithm latency latency_std simulated_latency err_simulated_latency rank "
-            "simulated_rank plan",
+            figure=lambda rows: (
+                plots.dp_ablation_figure(rows.df)
+                if "paper_latency" in rows.df
+                else plots.measured_ablation_figure(rows.df)
+            ),
+            findings=lambda df: (
+                findings.ablation_targets(df) if "paper_latency" in df else findings.measured(df)
+            ),
+            columns="setting algorithm latency latency_std simulated_latency paper_latency "
+            "err_latency err_simulated_latency rank simulated_rank paper_rank plan",
             compare=Comparison(("algorithm",), "latency"),
         ),
     },

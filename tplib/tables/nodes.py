@@ -24,10 +24,11 @@ from typing import Any
 
 import pandas as pd
 
-from tplib.paper import GPIPE, TERAPIPE, main_row, seqlen_row, setting
-from tplib.tables.settings import beside_paper, tflops_per_gpu
+from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row, seqlen_row, setting
+from tplib.plan import Plan
+from tplib.tables.settings import beside_paper, rel, tflops_per_gpu
 
-__all__ = ["measured_row", "run_settings"]
+__all__ = ["ablation_rows_on_nodes", "measured_row", "run_settings"]
 
 
 def measured_row(n: int, seq_len: int | None, gpipe: Any, terapipe: Any) -> dict[str, object]:
@@ -98,3 +99,54 @@ def run_settings(
             )
         )
     return pd.DataFrame(rows)
+
+
+def ablation_rows_on_nodes(
+    settings: Iterable[int],
+    launch: Mapping[str, Any] | Any,
+    *,
+    plan: str = "cluster",
+    precision: str = "fp16",
+    steps: int = 10,
+    warmup: int = 2,
+) -> pd.DataFrame:
+    """Table 3 on GPU nodes: for each setting, every row the paper measured (uniform
+    ``#Slices=n``, batch slices of one sequence, and the DP's plan from ``plan``), each
+    run as ``terapipe`` at full scale, beside the paper's latency, in the simulated
+    table's columns. Every config is made (and checked) before the first run starts."""
+    from tplib.runtime import RunConfig  # torch: only when runs are asked for
+    from tplib.runtime.layouts import Launch, run_on_nodes
+
+    how = Launch.of(launch)
+    jobs = []
+    for n in settings:
+        s = setting(n)
+        for ref in ablation_rows(n):
+            source: str | Plan = plan
+            if ref.n_slices is not None:
+                source = Plan.uniform(s.pipeline_batch, s.seq_len, n_token_slices=ref.n_slices)
+            run = RunConfig.for_setting(
+                n, plan=source, precision=precision, steps=steps, warmup=warmup
+            )
+            jobs.append((n, ref, run))
+    rows = []
+    for n, ref, run in jobs:
+        name = f"setting{n}-" + ref.algorithm.replace("#Slices=", "slices")
+        result = run_on_nodes(run, how, name)
+        rows.append(
+            {
+                "setting": n,
+                "model": run.model,
+                "algorithm": ref.algorithm,
+                "plan": run.plan.to_paper(),
+                "latency": result.median_latency_s,
+                "latency_std": statistics.pstdev(result.iteration_s),
+                "paper_latency": ref.latency,
+                "err_latency": rel(result.median_latency_s, ref.latency),
+                "peak_memory_gib": max(result.stage_peak_bytes()) / 2**30,
+            }
+        )
+    df = pd.DataFrame(rows)
+    df["rank"] = df.groupby("setting")["latency"].rank(method="min").astype(int)
+    df["paper_rank"] = df.groupby("setting")["paper_latency"].rank(method="min").astype(int)
+    return df
