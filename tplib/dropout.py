@@ -22,12 +22,22 @@ without dropout (evaluation).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["SITE_ATTENTION", "SITE_EMBEDDING", "SITE_MLP", "SITE_PROBS", "DropoutKey", "keep"]
+__all__ = [
+    "SITE_ATTENTION",
+    "SITE_EMBEDDING",
+    "SITE_MLP",
+    "SITE_PROBS",
+    "DropoutKey",
+    "StageDropout",
+    "keep",
+    "layer_site",
+]
 
 SITE_EMBEDDING, SITE_PROBS, SITE_ATTENTION, SITE_MLP = 0, 1, 2, 3
 _MASK32 = 0xFFFFFFFF
@@ -69,3 +79,40 @@ def keep(p: float, key: DropoutKey, site: int, *coords: Tensor) -> Tensor:
         h = _mix(h.to(c.device) ^ c.to(torch.int64))
     threshold = int(p * 2**32)
     return h >= threshold
+
+
+class StageDropout:
+    """Dropout of one forward of a stage over b sequences and a slice of positions,
+    keyed by where each element is (see :mod:`tplib.dropout`)."""
+
+    def __init__(self, p: float, key: DropoutKey, x: Tensor, start: int) -> None:
+        self.p, self.key, self.scale = p, key, 1.0 / (1.0 - p)
+        self.rows = key.rows(x.shape[0], x.device)
+        self.positions = torch.arange(start, start + x.shape[1], device=x.device)
+
+    def _apply(self, x: Tensor, mask: Tensor) -> Tensor:
+        return x.masked_fill(~mask, 0.0) * self.scale
+
+    def hidden(self, x: Tensor, site: int) -> Tensor:
+        """Hidden states (batch, length, hidden), whole on every op rank."""
+        features = torch.arange(x.shape[-1], device=x.device)
+        mask = keep(
+            self.p, self.key, site, self.rows[:, None, None], self.positions[:, None], features
+        )
+        return self._apply(x, mask)
+
+    def probs(self, site: int, heads: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """Attention probabilities (batch, heads, queries, keys); ``heads`` are the
+        global indices of this rank's heads."""
+
+        def drop(probs: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+            rows = self.rows[:, None, None, None]
+            mask = keep(self.p, self.key, site, rows, heads[:, None, None], qpos[:, None], kpos)
+            return self._apply(probs, mask)
+
+        return drop
+
+
+def layer_site(layer: int, kind: int) -> int:
+    """The site number of dropout ``kind`` in block ``layer`` (the embedding is 0)."""
+    return 4 * (layer + 1) + kind

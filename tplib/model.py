@@ -14,7 +14,8 @@ of the same sequences (see :mod:`tplib.context`).
 Given an :class:`~tplib.oppart.OpGroup` of #Op > 1 ranks, a stage holds only this rank's
 share of each block, embedding and head, split the Megatron way (see
 :mod:`tplib.oppart`); :func:`init_parameters` then gives each shard exactly its part of
-the whole model's values.
+the whole model's values. The blocks' products are :class:`tplib.linear.Linear`; dropout,
+when training with it, is :mod:`tplib.dropout`'s.
 """
 
 from __future__ import annotations
@@ -29,11 +30,19 @@ from torch import Tensor, nn
 
 from tplib.config import GPTConfig, check_op, padded_vocab
 from tplib.context import LayerContext, StageContext, math_attention, slice_attention
-from tplib.dropout import SITE_ATTENTION, SITE_EMBEDDING, SITE_MLP, SITE_PROBS, DropoutKey, keep
+from tplib.dropout import (
+    SITE_ATTENTION,
+    SITE_EMBEDDING,
+    SITE_MLP,
+    SITE_PROBS,
+    DropoutKey,
+    StageDropout,
+    layer_site,
+)
+from tplib.linear import Linear
 from tplib.oppart import (
     OpGroup,
     copy_to_group,
-    reduce_from_group,
     shard_spec,
     take_shard,
     vocab_parallel_cross_entropy,
@@ -43,117 +52,8 @@ from tplib.oppart import (
 __all__ = ["GPTStage", "build_model", "check_op", "check_stage_range", "init_parameters"]
 
 
-class _LinearAccumulate(torch.autograd.Function):
-    """``x @ W.T + b`` whose backward adds the weight and bias gradients straight into
-    ``.grad`` inside the GEMM (``addmm_`` with beta=1).
-
-    A stage runs backward once per token slice, so each weight receives one gradient per
-    slice; letting autograd allocate each and add it to ``.grad`` costs a full pass over
-    every weight per slice. Autograd never sees these gradients (``None`` is returned), so
-    parameter hooks do not fire; tplib reduces gradients itself after backward.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None
-    ) -> Tensor:
-        ctx.save_for_backward(x)
-        # The parameters themselves, not saved copies: backward writes into their .grad
-        # (a saved-tensor hook, such as the memory meter's, may hand back another tensor).
-        ctx.weight, ctx.bias = weight, bias  # type: ignore[attr-defined]
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
-    ) -> tuple[Tensor | None, None, None]:
-        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        weight: Tensor = ctx.weight  # type: ignore[attr-defined]
-        bias: Tensor | None = ctx.bias  # type: ignore[attr-defined]
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if weight.requires_grad:
-            if weight.grad is None:
-                weight.grad = g2.t() @ x2
-            else:
-                weight.grad.addmm_(g2.t(), x2)
-        if bias is not None and bias.requires_grad:
-            if bias.grad is None:
-                bias.grad = g2.sum(0)
-            else:
-                bias.grad.add_(g2.sum(0))
-        grad_in = grad_out @ weight if ctx.needs_input_grad[0] else None  # type: ignore[attr-defined]
-        return grad_in, None, None
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that accumulates its parameter gradients in place (float32 path).
-
-    Under autocast, or for other dtypes, it is a plain ``nn.Linear``. With an ``op``
-    group of several ranks it is row-parallel: each rank multiplies its share of the
-    input features, the partial products are summed over the group, then the
-    (replicated) bias is added once.
-    """
-
-    def __init__(self, in_features: int, out_features: int, op: OpGroup | None = None) -> None:
-        super().__init__(in_features, out_features)
-        self.op = op if op is not None and op.size > 1 else None
-
-    def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        fused = (
-            torch.is_grad_enabled()
-            and self.weight.requires_grad
-            and x.dtype == self.weight.dtype == torch.float32
-            and not torch.is_autocast_enabled(x.device.type)
-        )
-        if fused:
-            return _LinearAccumulate.apply(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.op is None:
-            return self._product(x, self.bias)
-        return reduce_from_group(self._product(x, None), self.op) + self.bias
-
-
 def _op_size(op: OpGroup | None) -> int:
     return 1 if op is None else op.size
-
-
-class _Dropout:
-    """Dropout of one forward of a stage over b sequences and a slice of positions,
-    keyed by where each element is (see :mod:`tplib.dropout`)."""
-
-    def __init__(self, p: float, key: DropoutKey, x: Tensor, start: int) -> None:
-        self.p, self.key, self.scale = p, key, 1.0 / (1.0 - p)
-        self.rows = key.rows(x.shape[0], x.device)
-        self.positions = torch.arange(start, start + x.shape[1], device=x.device)
-
-    def _apply(self, x: Tensor, mask: Tensor) -> Tensor:
-        return x.masked_fill(~mask, 0.0) * self.scale
-
-    def hidden(self, x: Tensor, site: int) -> Tensor:
-        """Hidden states (batch, length, hidden), whole on every op rank."""
-        features = torch.arange(x.shape[-1], device=x.device)
-        mask = keep(
-            self.p, self.key, site, self.rows[:, None, None], self.positions[:, None], features
-        )
-        return self._apply(x, mask)
-
-    def probs(self, site: int, heads: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        """Attention probabilities (batch, heads, queries, keys); ``heads`` are the
-        global indices of this rank's heads."""
-
-        def drop(probs: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
-            rows = self.rows[:, None, None, None]
-            mask = keep(self.p, self.key, site, rows, heads[:, None, None], qpos[:, None], kpos)
-            return self._apply(probs, mask)
-
-        return drop
-
-
-def _site(layer: int, kind: int) -> int:
-    return 4 * (layer + 1) + kind
 
 
 class CausalSelfAttention(nn.Module):
@@ -224,16 +124,16 @@ class Block(nn.Module):
         x: Tensor,
         start: int = 0,
         context: LayerContext | None = None,
-        drop: tuple[_Dropout, int] | None = None,
+        drop: tuple[StageDropout, int] | None = None,
     ) -> Tensor:
         if drop is None:
             x = x + self.attn(self.ln_1(x), start, context)
             return x + self.mlp(self.ln_2(x))
         dropout, layer = drop
-        probs = dropout.probs(_site(layer, SITE_PROBS), self.attn.heads)
+        probs = dropout.probs(layer_site(layer, SITE_PROBS), self.attn.heads)
         a = self.attn(self.ln_1(x), start, context, probs)
-        x = x + dropout.hidden(a, _site(layer, SITE_ATTENTION))
-        return x + dropout.hidden(self.mlp(self.ln_2(x)), _site(layer, SITE_MLP))
+        x = x + dropout.hidden(a, layer_site(layer, SITE_ATTENTION))
+        return x + dropout.hidden(self.mlp(self.ln_2(x)), layer_site(layer, SITE_MLP))
 
 
 def check_stage_range(cfg: GPTConfig, lo: int, hi: int) -> None:
@@ -352,7 +252,7 @@ class GPTStage(nn.Module):
         # Dropout only in training, which the caller says by giving the iteration's key.
         drop = None
         if dropout is not None and self.cfg.dropout > 0:
-            drop = _Dropout(self.cfg.dropout, dropout, x, start)
+            drop = StageDropout(self.cfg.dropout, dropout, x, start)
         if self.is_first:
             positions = torch.arange(start, start + length, device=x.device)
             x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)

@@ -5,6 +5,8 @@ module            what it holds
 ================  ====================================================================
 ``config``        :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
+``groups``        a rank's process groups, its peers between stages, staged collectives
+``update``        the optimizer step: global-norm clipping, learning rate, fp16 skips
 ``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
 ``torchrun``      the entry point for runs across nodes; :func:`load_result` reads its file
 ``layouts``       Table 1's settings as runs (:meth:`RunConfig.for_setting`), launching them

@@ -9,23 +9,12 @@ sequence's K/V context and routes the K/V gradients between token slices; then t
 gradient all-reduce (across data-parallel replicas, and between the two copies of a tied
 embedding) and the optimizer step. A new kind of action is one method and one table entry.
 
-The step is GPT-3's recipe (:class:`~tplib.runtime.RunConfig`): the gradients are clipped
-to a global norm computed as one device computes it over the whole model (each gradient
-counted once, whichever ranks hold copies of it; one all-reduce over the world), then
-AdamW steps with the learning rate :mod:`tplib.lr` gives the iteration.
-
-Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
-``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
-one process group per (replica, stage); data parallelism over one per (stage, op rank),
-the tied embedding over one per (replica, op rank). Between stages a tensor travels once:
-the last op rank of the sender sends it to the first op rank of the receiver (forward;
-backward the first to the last), which broadcasts it to its group, as the cluster cost
-model charges (:mod:`tplib.cluster.layout`).
+The step is GPT-3's recipe (:mod:`tplib.runtime.update`); who talks to whom, and how, is
+:mod:`tplib.runtime.groups`.
 
 Communication semantics are the ones the schedule validator checks: a send is posted
 asynchronously and completed before the all-reduce; a receive blocks, with a timeout,
-until its tensor arrives. Every action is timed into a trace. With CUDA tensors on gloo
-(several ranks sharing one GPU) everything sent is staged through host memory.
+until its tensor arrives. Every action is timed into a trace.
 
 Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
 allocator's peak, or on CPU what autograd saves and the executor holds, plus the
@@ -47,12 +36,13 @@ from torch import Tensor
 
 from tplib.data import synthetic_batch
 from tplib.dropout import DropoutKey
-from tplib.model import GPTStage, build_model
-from tplib.oppart import OpGroup, shard_spec
+from tplib.model import build_model
 from tplib.plan import Unit
-from tplib.precision import DECAY_RULES, autocast, make_optimizer, param_dtype
+from tplib.precision import autocast, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
+from tplib.runtime.update import Update
 from tplib.schedule import Action, Kind
 from tplib.slicing import SliceExecutor, unit_rows
 
@@ -71,7 +61,6 @@ TRACE_COLUMNS = (
     "end",
 )
 TraceRow = tuple[int, int, int, int, int, str, int, int, float, float]
-Group = dist.ProcessGroup | None
 
 
 @dataclass
@@ -94,46 +83,6 @@ class RankResult:
     grad_norms: list[float] = field(default_factory=list)
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
-
-
-class _Groups:
-    """Process groups, created by every rank in the same order (``new_group`` is
-    collective): #Op groups per (replica, stage), #Data groups per (stage, op rank), tied
-    embedding groups per (replica, op rank)."""
-
-    def __init__(self, run: RunConfig) -> None:
-        k, r, n = run.n_stages, run.n_data, run.n_op
-
-        def make(ranks: list[int]) -> Group:
-            return dist.new_group(ranks) if len(ranks) > 1 else None
-
-        self.op = {
-            (rep, s): make([run.rank_of(rep, s, o) for o in range(n)])
-            for rep in range(r)
-            for s in range(k)
-        }
-        self.data = {
-            (s, o): make([run.rank_of(rep, s, o) for rep in range(r)])
-            for s in range(k)
-            for o in range(n)
-        }
-        tie = run.cfg.tie_embeddings and k > 1
-        self.tied = {
-            (rep, o): make([run.rank_of(rep, 0, o), run.rank_of(rep, k - 1, o)]) if tie else None
-            for rep in range(r)
-            for o in range(n)
-        }
-
-
-def _shared_weight(stage: GPTStage) -> Tensor | None:
-    """This stage's copy of the tied embedding, if another stage holds the other copy."""
-    if not stage.cfg.tie_embeddings or (stage.is_first and stage.is_last):
-        return None
-    if stage.is_first:
-        return stage.wte.weight
-    if stage.is_last:
-        return stage.head.weight
-    return None
 
 
 @dataclass
@@ -161,38 +110,20 @@ class Worker:
         self.schedule = run.schedule_data
         self.plan = run.plan
         self.device = torch.device(run.device)
-        # gloo moves CUDA tensors only through host memory.
-        self.staged = self.device.type == "cuda" and dist.get_backend() == "gloo"
-        self.groups = _Groups(run)
-        self.op_group = self.groups.op[self.replica, self.stage_id]
-        op = None
-        if run.n_op > 1:
-            op = OpGroup(
-                self.op_rank,
-                run.n_op,
-                all_reduce=lambda t: self._all_reduce(t, self.op_group),
-                all_reduce_max=lambda t: self._all_reduce(t, self.op_group, dist.ReduceOp.MAX),
-            )
+        self.groups = RankGroups(run, rank, self.device)
         lo, hi = run.ranges[self.stage_id]
         self.wire_dtype = param_dtype(run.precision)
         self.stage = build_model(
-            run.cfg, lo, hi, seed=run.seed, device=self.device, dtype=self.wire_dtype, op=op
+            run.cfg,
+            lo,
+            hi,
+            seed=run.seed,
+            device=self.device,
+            dtype=self.wire_dtype,
+            op=self.groups.op_group(),
         )
-        self.params = list(self.stage.parameters())
-        for p in self.params:  # kept allocated between steps, as the memory model assumes
-            p.grad = torch.zeros_like(p)
-        self.optimizer = make_optimizer(
-            self.params,
-            run.precision,
-            lr=run.lr,
-            betas=run.betas,
-            weight_decay=run.weight_decay,
-            eps=run.adam_eps,
-            decay=DECAY_RULES[run.weight_decay_params],
-        )
-        self.lr_schedule = run.lr_schedule_data
-        self.norm_counted = self._norm_counted()
-        self._grad_norms: list[Tensor] = []  # kept on the device: no sync per step
+        self.update = Update(run, self.stage, self.groups)
+        self.params = self.update.params
         self.meter = MemoryMeter()
         self.counting = self.device.type == "cpu" and hooks.count_memory
         self.executor = SliceExecutor(
@@ -210,48 +141,6 @@ class Worker:
         self.timeout = datetime.timedelta(seconds=run.timeout_s)
         self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
 
-    def _norm_counted(self) -> list[bool]:
-        """Whether this rank adds each of its parameters' gradient (in ``self.params``
-        order) to the global norm: every gradient of the model exactly once.
-
-        Data-parallel replicas hold equal gradients after the all-reduce: replica 0
-        counts them. Replicated parameters (shard_spec None) are equal on every op rank:
-        op rank 0 counts them; every op rank counts its shard of a partitioned one
-        (vocabulary padding rows have zero gradient). The tied embedding's two copies
-        hold the same summed gradient after the tied all-reduce: the first stage counts it.
-        """
-        tied = _shared_weight(self.stage) if self.stage.is_last else None
-        counted = []
-        for name, p in self.stage.named_parameters():  # the order of self.params
-            mine = self.replica == 0 and (self.op_rank == 0 or shard_spec(name) is not None)
-            counted.append(mine and p is not tied)
-        assert len(counted) == len(self.params)
-        return counted
-
-    # ---- communication ----------------------------------------------------------------
-
-    def _all_reduce(
-        self, tensor: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> None:
-        if not self.staged:
-            dist.all_reduce(tensor, op=op, group=group)
-            return
-        host = tensor.cpu()
-        dist.all_reduce(host, op=op, group=group)
-        tensor.copy_(host)
-
-    def _wire(self, action: Action) -> tuple[int, int]:
-        """(the op rank of this stage that carries ``action``, the rank at the other end)."""
-        last = self.run.n_op - 1
-        rep, k = self.replica, self.stage_id
-        if action.kind is Kind.SA:
-            return last, self.run.rank_of(rep, k + 1, 0)
-        if action.kind is Kind.RA:
-            return 0, self.run.rank_of(rep, k - 1, last)
-        if action.kind is Kind.SG:
-            return 0, self.run.rank_of(rep, k - 1, last)
-        return last, self.run.rank_of(rep, k + 1, 0)  # RG
-
     # ---- the actions ----------------------------------------------------------------
 
     def receive(self, action: Action, it: _Iteration) -> None:
@@ -259,9 +148,9 @@ class Worker:
         the carrying op rank, then share it with the stage's #Op group."""
         b, t = action.b, action.t
         shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.run.cfg.hidden)
-        wire = "cpu" if self.staged else self.device
+        wire = "cpu" if self.groups.staged else self.device
         buf = torch.empty(shape, dtype=self.wire_dtype, device=wire)
-        carrier, peer = self._wire(action)
+        carrier, peer = self.groups.wire(action)
         if self.op_rank == carrier:
             work = dist.irecv(buf, peer)
             assert work is not None  # point-to-point ops always return their Work
@@ -275,9 +164,7 @@ class Worker:
                     f"{self.stage_id + (-1 if activation else 1)} (rank {peer}) of unit b{b} "
                     f"t{t} ({action}); the peer is stuck or has failed: {exc}"
                 ) from exc
-        if self.op_group is not None:
-            src = self.run.rank_of(self.replica, self.stage_id, carrier)
-            dist.broadcast(buf, src, group=self.op_group)
+        self.groups.broadcast_from(buf, carrier)
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
         it.received[Action(consumer, action.stage, b, t)] = buf.to(self.device)
 
@@ -306,11 +193,11 @@ class Worker:
         """SA / SG: post the unit's output or input gradient from the carrying op rank;
         completed before AR."""
         tensor = it.outputs.pop(action.unit)
-        carrier, peer = self._wire(action)
+        carrier, peer = self.groups.wire(action)
         if self.op_rank != carrier:
             return  # an op-rank peer sends the (identical) tensor
         tensor = tensor.to(self.wire_dtype).contiguous()
-        if self.staged:
+        if self.groups.staged:
             tensor = tensor.cpu()
         # Drop sends already delivered: their buffers need not live until AR.
         it.pending[:] = [p for p in it.pending if not p[0].is_completed()]
@@ -322,69 +209,34 @@ class Worker:
         """AR: complete the sends, then sum the gradients of the tied embedding's two copies
         and the stage's gradients across its data-parallel replicas."""
         self._wait_sends(it.pending)
-        shared = _shared_weight(self.stage)
-        tied = self.groups.tied[self.replica, self.op_rank]
-        if shared is not None and tied is not None:
+        shared = shared_weight(self.stage)
+        if shared is not None and self.groups.tied is not None:
             # The first stage's embedding and the last stage's head are one parameter of
             # the model: each copy gets the sum of both gradients.
             assert shared.grad is not None  # allocated at start, kept between steps
-            self._all_reduce(shared.grad, tied)
-        group = self.groups.data[self.stage_id, self.op_rank]
+            self.groups.all_reduce(shared.grad, self.groups.tied)
+        group = self.groups.data
         if group is None:
             return
         # The loss is already scaled by the global batch: summing gives the mean's gradient.
         grads = [p.grad for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._all_reduce(flat, group)
+        self.groups.all_reduce(flat, group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
     def step(self, action: Action, it: _Iteration) -> None:
-        """OPT: clip the gradients to the run's global norm, set the iteration's learning
-        rate, step this stage's parameters (with fp16, skipped by every rank together when
-        any gradient overflowed, and then not clipped), then zero the gradients."""
-        scale = self.optimizer.loss_scale
+        """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`)."""
         if self.hooks.collect_grads and it.index == 0:
+            scale = self.update.optimizer.loss_scale
             self.result.grads = {
                 n: (p.grad.float() / scale).cpu()
                 for n, p in self.stage.named_parameters()
                 if p.grad is not None
             }
-        found_inf = self.optimizer.unscale_grads()
-        if self.run.precision == "fp16":  # all ranks skip together or none does
-            self._all_reduce(found_inf, None, dist.ReduceOp.MAX)
-        skip = bool(found_inf.item())
-        if self.run.grad_clip > 0:
-            # A skipped step's gradients are garbage: neither clipped nor counted.
-            norm = torch.full((), float("nan")) if skip else self._clip_grads()
-            if it.index >= self.run.warmup:
-                self._grad_norms.append(norm)
-        self.optimizer.set_lr(self.lr_schedule.lr_at(it.index))
-        if not self.optimizer.step(skip):
-            self.result.steps_skipped += 1
-        for p in self.params:
-            assert p.grad is not None
-            p.grad.zero_()
-
-    def _clip_grads(self) -> Tensor:
-        """Scale the gradients the step will use (fp16: the unscaled fp32 master grads) by
-        ``min(1, grad_clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
-        where ``norm`` is the whole model's gradient norm; return that norm (0-d)."""
-        grads = self.optimizer.grads()
-        mine = [g for g, c in zip(grads, self.norm_counted, strict=True) if c and g is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        if mine:
-            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in mine])
-            squares = norms.square().sum()
-        self._all_reduce(squares, None)  # every rank of the world, the same sum on each
-        norm = squares.sqrt()
-        coef = torch.clamp(self.run.grad_clip / (norm + 1e-6), max=1.0)
-        for g in grads:
-            if g is not None:
-                g.mul_(coef.to(g.dtype))
-        return norm
+        self.update.step(it.index)
 
     DISPATCH: ClassVar[dict[Kind, Handler]] = {
         Kind.RA: receive,
@@ -406,7 +258,7 @@ class Worker:
             except RuntimeError as exc:
                 raise TimeoutError(
                     f"stage {self.stage_id} (rank {self.rank}) could not complete {action} to "
-                    f"rank {self._wire(action)[1]} within {self.run.timeout_s:g} s: {exc}"
+                    f"rank {self.groups.wire(action)[1]} within {self.run.timeout_s:g} s: {exc}"
                 ) from exc
         pending.clear()
 
@@ -419,7 +271,7 @@ class Worker:
         mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         it = _Iteration(index, tokens[mine], targets[mine], loss)
-        self.executor.grad_scale = self.optimizer.loss_scale
+        self.executor.grad_scale = self.update.optimizer.loss_scale
         if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
             self.executor.dropout = DropoutKey.for_iteration(
                 run.seed, index, self.replica * run.pipeline_batch
@@ -476,7 +328,7 @@ class Worker:
         if self.device.type == "cpu" and not self.counting:
             return None
         buffers = context_tensors(self.contexts)
-        state = self.optimizer.state_bytes()
+        state = self.update.optimizer.state_bytes()
         if self.device.type == "cuda":
             return StageMemory.allocator(
                 self.stage, self.device, optimizer_state_bytes=state, contexts=buffers
@@ -491,7 +343,8 @@ class Worker:
         for i in range(self.run.warmup + self.run.steps):
             self.iteration(i, record=i >= self.run.warmup)
         self.result.memory = self._memory()
-        self.result.grad_norms = [float(n) for n in self._grad_norms]
+        self.result.grad_norms = [float(n) for n in self.update.grad_norms]
+        self.result.steps_skipped = self.update.steps_skipped
         if self.hooks.collect_params:
             self.result.params = {
                 n: p.detach().float().cpu().clone() for n, p in self.stage.named_parameters()

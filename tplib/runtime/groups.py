@@ -1,0 +1,113 @@
+"""Who a rank talks to: its process groups, its peer across each stage boundary, and
+all-reduces that work under gloo with CUDA tensors.
+
+Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
+``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
+one process group per (replica, stage); data parallelism over one per (stage, op rank);
+the tied embedding over one per (replica, op rank) joining the first and last stage.
+Every rank creates every group in the same order (``new_group`` is collective).
+
+Between stages a tensor travels once: the last op rank of the sender sends it to the
+first op rank of the receiver (forward; backward the first to the last), which broadcasts
+it to its group, as the cluster cost model charges (:mod:`tplib.cluster.layout`).
+
+Several ranks sharing one GPU run on gloo, which moves CUDA tensors only through host
+memory: then every collective and message is staged there (``staged``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tplib.model import GPTStage
+from tplib.oppart import OpGroup
+from tplib.runtime.config import RunConfig
+from tplib.schedule import Action, Kind
+
+__all__ = ["Group", "RankGroups", "shared_weight"]
+
+Group = dist.ProcessGroup | None
+
+
+class RankGroups:
+    """One rank's view of the run's process groups and peers."""
+
+    def __init__(self, run: RunConfig, rank: int, device: torch.device) -> None:
+        self.run = run
+        self.replica, self.stage, self.op_rank = run.position(rank)
+        self.staged = device.type == "cuda" and dist.get_backend() == "gloo"
+        k, r, n = run.n_stages, run.n_data, run.n_op
+
+        def make(ranks: list[int]) -> Group:
+            return dist.new_group(ranks) if len(ranks) > 1 else None
+
+        ops = {
+            (rep, s): make([run.rank_of(rep, s, o) for o in range(n)])
+            for rep in range(r)
+            for s in range(k)
+        }
+        datas = {
+            (s, o): make([run.rank_of(rep, s, o) for rep in range(r)])
+            for s in range(k)
+            for o in range(n)
+        }
+        tie = run.cfg.tie_embeddings and k > 1
+        tieds = {
+            (rep, o): make([run.rank_of(rep, 0, o), run.rank_of(rep, k - 1, o)]) if tie else None
+            for rep in range(r)
+            for o in range(n)
+        }
+        self.op = ops[self.replica, self.stage]  # this stage's #Op group
+        self.data = datas[self.stage, self.op_rank]  # this (stage, op rank)'s replicas
+        self.tied = tieds[self.replica, self.op_rank]  # the tied embedding's two copies
+
+    def all_reduce(
+        self, tensor: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> None:
+        """In-place all-reduce over ``group`` (None: every rank)."""
+        if not self.staged:
+            dist.all_reduce(tensor, op=op, group=group)
+            return
+        host = tensor.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        tensor.copy_(host)
+
+    def op_group(self) -> OpGroup | None:
+        """The model's handle on this stage's #Op group (None without partitioning)."""
+        if self.run.n_op == 1:
+            return None
+        return OpGroup(
+            self.op_rank,
+            self.run.n_op,
+            all_reduce=lambda t: self.all_reduce(t, self.op),
+            all_reduce_max=lambda t: self.all_reduce(t, self.op, dist.ReduceOp.MAX),
+        )
+
+    def wire(self, action: Action) -> tuple[int, int]:
+        """(the op rank of this stage that carries ``action``, the rank at the other end)."""
+        last = self.run.n_op - 1
+        rep, k = self.replica, self.stage
+        if action.kind is Kind.SA:
+            return last, self.run.rank_of(rep, k + 1, 0)
+        if action.kind in (Kind.RA, Kind.SG):
+            return 0, self.run.rank_of(rep, k - 1, last)
+        return last, self.run.rank_of(rep, k + 1, 0)  # RG
+
+    def broadcast_from(self, tensor: Tensor, carrier: int) -> None:
+        """Share what op rank ``carrier`` received with the rest of the #Op group."""
+        if self.op is not None:
+            src = self.run.rank_of(self.replica, self.stage, carrier)
+            dist.broadcast(tensor, src, group=self.op)
+
+
+def shared_weight(stage: GPTStage) -> Tensor | None:
+    """This stage's copy of the tied embedding, if another stage holds the other copy."""
+    if not stage.cfg.tie_embeddings or (stage.is_first and stage.is_last):
+        return None
+    if stage.is_first:
+        return stage.wte.weight
+    if stage.is_last:
+        return stage.head.weight
+    return None

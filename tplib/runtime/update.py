@@ -1,0 +1,102 @@
+"""One rank's optimizer step (the ``OPT`` action): GPT-3's recipe over a pipeline.
+
+The gradients are clipped to a global norm computed as one device computes it over the
+whole model: each gradient counted once, whichever ranks hold copies of it, in one
+all-reduce over the world. Then AdamW steps with the learning rate :mod:`tplib.lr` gives
+the iteration (fp16: on the fp32 master weights, skipped by every rank together when any
+gradient overflowed, and then not clipped), and the gradients, which stay allocated, are
+zeroed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tplib.model import GPTStage
+from tplib.oppart import shard_spec
+from tplib.precision import DECAY_RULES, make_optimizer
+from tplib.runtime.config import RunConfig
+from tplib.runtime.groups import RankGroups, shared_weight
+
+__all__ = ["Update"]
+
+
+class Update:
+    """The optimizer of one rank's stage shard and how it steps."""
+
+    def __init__(self, run: RunConfig, stage: GPTStage, groups: RankGroups) -> None:
+        self.run, self.stage, self.groups = run, stage, groups
+        self.params = list(stage.parameters())
+        for p in self.params:  # kept allocated between steps, as the memory model assumes
+            p.grad = torch.zeros_like(p)
+        self.optimizer = make_optimizer(
+            self.params,
+            run.precision,
+            lr=run.lr,
+            betas=run.betas,
+            weight_decay=run.weight_decay,
+            eps=run.adam_eps,
+            decay=DECAY_RULES[run.weight_decay_params],
+        )
+        self.lr_schedule = run.lr_schedule_data
+        self.counted = self._counted()
+        self.grad_norms: list[Tensor] = []  # per timed step, on the device: no sync per step
+        self.steps_skipped = 0
+
+    def _counted(self) -> list[bool]:
+        """Whether this rank adds each of its parameters' gradient (in ``self.params``
+        order) to the global norm: every gradient of the model exactly once.
+
+        Data-parallel replicas hold equal gradients after the all-reduce: replica 0
+        counts them. Replicated parameters (shard_spec None) are equal on every op rank:
+        op rank 0 counts them; every op rank counts its shard of a partitioned one
+        (vocabulary padding rows have zero gradient). The tied embedding's two copies
+        hold the same summed gradient after the tied all-reduce: the first stage counts it.
+        """
+        g = self.groups
+        tied = shared_weight(self.stage) if self.stage.is_last else None
+        counted = []
+        for name, p in self.stage.named_parameters():  # the order of self.params
+            mine = g.replica == 0 and (g.op_rank == 0 or shard_spec(name) is not None)
+            counted.append(mine and p is not tied)
+        assert len(counted) == len(self.params)
+        return counted
+
+    def step(self, index: int) -> None:
+        """Iteration ``index``'s update: clip, set the learning rate, step, zero."""
+        found_inf = self.optimizer.unscale_grads()
+        if self.run.precision == "fp16":  # all ranks skip together or none does
+            self.groups.all_reduce(found_inf, None, dist.ReduceOp.MAX)
+        skip = bool(found_inf.item())
+        if self.run.grad_clip > 0:
+            # A skipped step's gradients are garbage: neither clipped nor counted.
+            norm = torch.full((), float("nan")) if skip else self._clip()
+            if index >= self.run.warmup:
+                self.grad_norms.append(norm)
+        self.optimizer.set_lr(self.lr_schedule.lr_at(index))
+        if not self.optimizer.step(skip):
+            self.steps_skipped += 1
+        for p in self.params:
+            assert p.grad is not None
+            p.grad.zero_()
+
+    def _clip(self) -> Tensor:
+        """Scale the gradients the step will use (fp16: the unscaled fp32 master grads) by
+        ``min(1, grad_clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
+        where ``norm`` is the whole model's gradient norm; return that norm (0-d)."""
+        grads = self.optimizer.grads()
+        mine = [g for g, c in zip(grads, self.counted, strict=True) if c and g is not None]
+        device = self.params[0].device
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        if mine:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in mine])
+            squares = norms.square().sum()
+        self.groups.all_reduce(squares, None)  # every rank of the world, the same sum on each
+        norm = squares.sqrt()
+        coef = torch.clamp(self.run.grad_clip / (norm + 1e-6), max=1.0)
+        for g in grads:
+            if g is not None:
+                g.mul_(coef.to(g.dtype))
+        return norm
