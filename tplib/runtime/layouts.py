@@ -51,9 +51,9 @@ def setting_plan(n: int, source: str | Plan = "cluster", seq_len: int | None = N
         if s.seq_len != setting(n).seq_len:
             return seqlen_row(s.seq_len, TERAPIPE).plan
         return main_row(n, TERAPIPE).plan
-    if source == "cluster":
-        from tplib.tables.settings import plan_terapipe
+    from tplib.tables.settings import plan_terapipe
 
+    if source == "cluster":
         return plan_terapipe(s)
     path = Path(source)
     if not path.is_file():
@@ -61,19 +61,9 @@ def setting_plan(n: int, source: str | Plan = "cluster", seq_len: int | None = N
             f"plan source {source!r} is neither one of {PLAN_SOURCES} nor a profile file"
         )
     from tplib.perfmodel import Profile
-    from tplib.planner import plan as plan_slices
-    from tplib.tables.settings import EPS, GRANULARITY
 
-    profile = Profile.load(path)
-    return plan_slices(
-        profile,
-        seq_len=s.seq_len,
-        batch=s.pipeline_batch,
-        n_stages=s.n_stages,
-        granularity=GRANULARITY,
-        eps=EPS,
-        max_batch_slice_size=profile.max_batch_slice_size,
-    )
+    # The planner keeps batch slices within what the profile measured.
+    return plan_terapipe(s, cost=Profile.load(path))
 
 
 def setting_run(
@@ -174,6 +164,11 @@ class Launch:
                 f"nproc_per_node={self.nproc_per_node}, timeout_s={self.timeout_s}: "
                 "need at least one process per node and a positive time limit"
             )
+
+    @property
+    def name(self) -> str:
+        """The launcher's name, or "command" for a template of one's own."""
+        return "command" if self.command else self.launcher
 
     @classmethod
     def of(cls, value: Launch | Mapping[str, Any]) -> Launch:

@@ -22,6 +22,7 @@ from tplib.paper import ablation_rows, setting
 from tplib.plan import Plan
 from tplib.tables import findings
 from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.nodes import ablation_rows_on_nodes, from_nodes, on_nodes
 from tplib.tables.settings import EPS, Method, plan_terapipe, rel, simulate_on_cluster
 
 if TYPE_CHECKING:
@@ -92,14 +93,7 @@ def measure(
     On GPU nodes: with ``settings`` (the paper's are 8 and 9) and a ``launch``
     description, the paper's rows of those settings at full scale instead (see
     :mod:`tplib.tables.nodes`)."""
-    if settings or launch is not None:
-        if not settings or launch is None:
-            raise ValueError(
-                f"settings={list(settings)} and launch={launch!r}: measuring Table 3 rows on "
-                "GPU nodes needs both the settings and how to launch them"
-            )
-        from tplib.tables.nodes import ablation_rows_on_nodes
-
+    if on_nodes(settings, launch, "Table 3"):
         df = ablation_rows_on_nodes(settings, launch, plan=plan, precision=precision, steps=iters)
         return Rows(df)
     from tplib.measure.harness import measured_bench  # starts processes: torch
@@ -159,11 +153,11 @@ TABLE = Table(
             measure,
             figure=lambda rows: (
                 plots.dp_ablation_figure(rows.df)
-                if "paper_latency" in rows.df
+                if from_nodes(rows.df)
                 else plots.measured_ablation_figure(rows.df)
             ),
             findings=lambda df: (
-                findings.ablation_targets(df) if "paper_latency" in df else findings.measured(df)
+                findings.ablation_targets(df) if from_nodes(df) else findings.measured(df)
             ),
             columns="setting algorithm latency latency_std simulated_latency paper_latency "
             "err_latency err_simulated_latency rank simulated_rank paper_rank plan",

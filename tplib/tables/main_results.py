@@ -21,6 +21,7 @@ from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import GPIPE, TERAPIPE, main_row
 from tplib.tables import findings
 from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.nodes import from_nodes, on_nodes, run_settings
 from tplib.tables.settings import (
     EPS,
     Method,
@@ -82,14 +83,7 @@ def measure(
     On GPU nodes: with ``settings`` and a ``launch`` description, those Table 1 rows
     instead, at full scale (see :mod:`tplib.tables.nodes`; ``plan`` is the TeraPipe
     plan's source, ``precision`` the runs' numeric format)."""
-    if settings or launch is not None:
-        if not settings or launch is None:
-            raise ValueError(
-                f"settings={list(settings)} and launch={launch!r}: measuring Table 1 rows on "
-                "GPU nodes needs both the settings and how to launch them"
-            )
-        from tplib.tables.nodes import run_settings
-
+    if on_nodes(settings, launch, "Table 2"):
         return Rows(run_settings(settings, launch, plan=plan, precision=precision, steps=iters))
     from tplib.measure.harness import measured_bench  # starts processes: torch
 
@@ -123,13 +117,11 @@ TABLE = Table(
             measure,
             figure=lambda rows: (
                 plots.main_results_figure(rows.df)
-                if "setting" in rows.df
+                if from_nodes(rows.df)
                 else plots.measured_figure(rows.df, "pipeline_batch")
             ),
             findings=lambda df: (
-                findings.speedup_targets(df, "setting")
-                if "setting" in df
-                else findings.measured(df)
+                findings.speedup_targets(df, "setting") if from_nodes(df) else findings.measured(df)
             ),
             columns="setting model pipeline_batch latency_gpipe latency_gpipe_std "
             "simulated_latency_gpipe paper_latency_gpipe latency_terapipe latency_terapipe_std "

@@ -19,31 +19,47 @@ allocation's first node::
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
 from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row, seqlen_row, setting
 from tplib.plan import Plan
-from tplib.tables.settings import beside_paper, rel, tflops_per_gpu
+from tplib.tables.settings import beside_paper, rel, setting_fields, tflops_per_gpu
 
-__all__ = ["ablation_rows_on_nodes", "measured_row", "run_settings"]
+__all__ = ["ablation_rows_on_nodes", "from_nodes", "measured_row", "on_nodes", "run_settings"]
 
 
-def measured_row(n: int, seq_len: int | None, gpipe: Any, terapipe: Any) -> dict[str, object]:
+def on_nodes(settings: Sequence[object], launch: object, table: str) -> bool:
+    """Whether a measure-mode call asks for GPU nodes (it gives settings and a launch
+    description); ``ValueError`` when it gives only one of them."""
+    if not settings and launch is None:
+        return False
+    if not settings or launch is None:
+        raise ValueError(
+            f"settings={list(settings)} and launch={launch!r}: measuring {table} rows on "
+            "GPU nodes needs both the settings and how to launch them"
+        )
+    return True
+
+
+def from_nodes(df: pd.DataFrame) -> bool:
+    """Whether measured rows came from GPU nodes (each names the ``launcher`` that
+    started its runs) rather than from this machine; such rows stand beside the paper's
+    values in the simulated table's columns, so its figure and findings apply."""
+    return "launcher" in df.columns
+
+
+def measured_row(
+    n: int, seq_len: int | None, gpipe: Any, terapipe: Any, launcher: str
+) -> dict[str, object]:
     """The row of setting ``n`` (at ``seq_len``) from its two runs' results
-    (:class:`~tplib.runtime.RunResult`), beside the paper's."""
+    (:class:`~tplib.runtime.RunResult`), started by ``launcher``, beside the paper's."""
     s = setting(n, seq_len)
     lat_g, lat_t = gpipe.median_latency_s, terapipe.median_latency_s
-    row: dict[str, object] = {
-        "setting": n,
-        "model": s.model,
-        "seq_len": s.seq_len,
-        "pipeline_batch": s.pipeline_batch,
-        "n_stages": s.n_stages,
-        "n_op": s.n_op,
-        "n_data": s.n_data,
+    row: dict[str, object] = setting_fields(s) | {
+        "launcher": launcher,
         "latency_gpipe": lat_g,
         "latency_gpipe_std": statistics.pstdev(gpipe.iteration_s),
         "latency_terapipe": lat_t,
@@ -96,6 +112,7 @@ def run_settings(
                 seq_len,
                 run_on_nodes(gpipe, how, f"{tag}-gpipe"),
                 run_on_nodes(tera, how, f"{tag}-terapipe"),
+                how.name,
             )
         )
     return pd.DataFrame(rows)
@@ -137,6 +154,7 @@ def ablation_rows_on_nodes(
             {
                 "setting": n,
                 "model": run.model,
+                "launcher": how.name,
                 "algorithm": ref.algorithm,
                 "plan": run.plan.to_paper(),
                 "latency": result.median_latency_s,

@@ -20,6 +20,7 @@ from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import GPIPE, SEQLEN_BATCH, TERAPIPE, seqlen_row
 from tplib.tables import findings
 from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.nodes import from_nodes, run_settings
 from tplib.tables.settings import EPS, Method, beside_paper, simulate_setting
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def measure(
     (the paper's 2048..8192; ``batches`` are then the paper's) at full scale (see
     :mod:`tplib.tables.nodes`)."""
     if launch is not None:
-        from tplib.tables.nodes import run_settings
-
         return Rows(
             run_settings([(5, L) for L in seq_lens], launch, plan=plan, precision=precision)
         )
@@ -115,13 +114,11 @@ TABLE = Table(
             measure,
             figure=lambda rows: (
                 plots.seqlen_figure(rows.df)
-                if "paper_speedup" in rows.df
+                if from_nodes(rows.df)
                 else plots.measured_figure(rows.df, "seq_len")
             ),
             findings=lambda df: (
-                findings.speedup_targets(df, "seq_len")
-                if "paper_speedup" in df
-                else findings.measured(df)
+                findings.speedup_targets(df, "seq_len") if from_nodes(df) else findings.measured(df)
             ),
             columns="seq_len pipeline_batch latency_gpipe latency_gpipe_std "
             "simulated_latency_gpipe latency_terapipe latency_terapipe_std "

@@ -22,6 +22,7 @@ from typing import Literal, cast
 import pandas as pd
 
 from tplib.cluster import CALIBRATION, Calibration, ClusterCostModel
+from tplib.costs import SliceCostModel
 from tplib.paper import GPIPE, TERAPIPE, PaperResult, Setting, main_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
@@ -39,6 +40,7 @@ __all__ = [
     "paper_plans_on_cluster",
     "plan_terapipe",
     "rel",
+    "setting_fields",
     "simulate_on_cluster",
     "simulate_setting",
     "tflops_per_gpu",
@@ -92,10 +94,12 @@ def plan_terapipe(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
+    cost: SliceCostModel | None = None,
 ) -> Plan:
-    """The DP planner's joint batch x token plan for setting ``s`` on the cluster model."""
+    """The DP planner's joint batch x token plan for setting ``s`` on the cluster model,
+    or on ``cost`` (e.g. a profile measured on the GPUs at hand)."""
     return plan_slices(
-        cost_model(s, calibration),
+        cost or cost_model(s, calibration),
         seq_len=s.seq_len,
         batch=s.pipeline_batch,
         n_stages=s.n_stages,
@@ -122,14 +126,7 @@ def simulate_setting(
     gpipe = simulate_on_cluster(s, s.gpipe_plan(), "gpipe", calibration=calibration)
     tera = simulate_on_cluster(s, p, "terapipe", calibration=calibration)
     memory = cost_model(s, calibration).memory(p)
-    return {
-        "setting": n,
-        "model": s.model,
-        "seq_len": s.seq_len,
-        "pipeline_batch": s.pipeline_batch,
-        "n_stages": s.n_stages,
-        "n_op": s.n_op,
-        "n_data": s.n_data,
+    return setting_fields(s) | {
         "latency_gpipe": gpipe.latency,
         "latency_terapipe": tera.latency,
         "speedup": gpipe.latency / tera.latency,
@@ -142,6 +139,19 @@ def simulate_setting(
         "plan_seconds": t_plan,
         "memory_gib": memory.total / 2**30,
         "fits_memory": memory.fits,
+    }
+
+
+def setting_fields(s: Setting) -> dict[str, object]:
+    """What a row says of its setting: number, model, L, B/#Data and the layout."""
+    return {
+        "setting": s.index,
+        "model": s.model,
+        "seq_len": s.seq_len,
+        "pipeline_batch": s.pipeline_batch,
+        "n_stages": s.n_stages,
+        "n_op": s.n_op,
+        "n_data": s.n_data,
     }
 
 
