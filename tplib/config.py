@@ -181,11 +181,11 @@ def check_recompute(mode: str) -> None:
         )
 
 
-def check_precision(precision: str, device: str) -> None:
-    """Raise ``ValueError`` unless ``precision`` is known and can run on ``device``."""
+def check_precision(precision: str, device: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``precision`` is known (and can run on ``device``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: choose one of {PRECISIONS}")
-    if precision == "fp16" and device.split(":")[0] != "cuda":
+    if device is not None and precision == "fp16" and device.split(":")[0] != "cuda":
         raise ValueError(
             f"precision 'fp16' needs device='cuda', got device={device!r}: fp16 weights are "
             "for GPUs without bf16 (V100); use bf16 on CPU"

@@ -65,14 +65,9 @@ __all__ = [
 ]
 
 
-def _check_known(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: choose one of {PRECISIONS}")
-
-
 def param_dtype(precision: str) -> torch.dtype:
     """The dtype the model's parameters are built in."""
-    _check_known(precision)
+    check_precision(precision)
     return torch.float16 if precision == "fp16" else torch.float32
 
 
@@ -81,7 +76,7 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
 
     fp16 needs none: its parameters already are float16.
     """
-    _check_known(precision)
+    check_precision(precision)
     if precision == "bf16":
         return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -368,6 +363,6 @@ def make_optimizer(
 ) -> MixedPrecisionOptimizer | PlainOptimizer:
     """The optimizer for ``precision``: master weights and loss scaling for fp16 only.
     ``decay`` picks the parameters that get ``weight_decay`` (None: all of them)."""
-    _check_known(precision)
+    check_precision(precision)
     cls = MixedPrecisionOptimizer if precision == "fp16" else PlainOptimizer
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decay=decay)

@@ -31,7 +31,7 @@ from tplib.cluster.compute import hbm_rate, layer_times, nvlink_bus
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
 from tplib.cluster.layout import check_layout, gpu_rank, send_ranks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
-from tplib.config import GPTConfig, get_config, n_params_per_layer
+from tplib.config import GPTConfig, check_recompute, get_config, n_params_per_layer
 from tplib.costs import memo, ring_allreduce, unit_shape
 from tplib.paper import Setting
 from tplib.plan import Plan
@@ -71,8 +71,7 @@ class ClusterCostModel:
         hardware: Hardware = P3_16XLARGE,
         recompute: str = "none",
     ) -> None:
-        if recompute not in ("none", "full"):
-            raise ValueError(f"recompute={recompute!r} is not a recompute mode: none or full")
+        check_recompute(recompute)
         self.recompute = recompute
         self.cfg = get_config(model) if isinstance(model, str) else model
         self.seq_len = seq_len or self.cfg.seq_len
