@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from tplib.config import PRECISIONS, check_precision
+from tplib.runtime.memory import optimizer_bytes, storage_bytes
 
 __all__ = [
     "DECAY_RULES",
@@ -176,15 +177,6 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _nbytes(tensors: Iterable[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _adam_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    # exp_avg, exp_avg_sq and the step counters; empty until the first step allocates them.
-    return _nbytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
-
-
 class MixedPrecisionOptimizer:
     """AdamW on fp32 master copies of float16 model parameters, with dynamic loss scaling.
 
@@ -288,7 +280,7 @@ class MixedPrecisionOptimizer:
         """Bytes held beyond the model parameters and their grads: masters, master grads
         and Adam's state (the latter allocated by the first step that is not skipped)."""
         grads = [m.grad for m in self._masters if m.grad is not None]
-        return _nbytes(self._masters) + _nbytes(grads) + _adam_state_bytes(self.inner)
+        return storage_bytes(self._masters) + storage_bytes(grads) + optimizer_bytes(self.inner)
 
 
 class PlainOptimizer:
@@ -348,7 +340,7 @@ class PlainOptimizer:
         self.inner.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        return _adam_state_bytes(self.inner)
+        return optimizer_bytes(self.inner)
 
 
 def make_optimizer(
