@@ -210,8 +210,8 @@ def test_stage_count_must_be_positive(name: str) -> None:
         make_schedule(name, 0, PLANS[0])
 
 
-def test_add_communication_wants_compute_only() -> None:
-    with pytest.raises(ValueError, match="forwards and backwards only"):
+def test_add_communication_wants_no_communication() -> None:
+    with pytest.raises(ValueError, match="expects a schedule of forwards, backwards and updates"):
         add_communication(terapipe(2, PLANS[0]))
 
 
@@ -402,5 +402,5 @@ def test_csv_round_trip_file(tmp_path: object) -> None:
     assert Schedule.from_csv(path) == s
     with open(path) as f:
         text = f.read()
-    assert "stage,index,kind,b,t" in text and "\n3,0,RA,0,0\n" in text
-    assert "AR,-1,-1" in text and "OPT,-1,-1" in text
+    assert "stage,index,kind,b,t,v" in text and "\n3,0,RA,0,0,-1\n" in text
+    assert "AR,-1,-1,-1" in text and "OPT,-1,-1,-1" in text

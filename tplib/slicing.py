@@ -76,6 +76,7 @@ class SliceExecutor:
         dtype: torch.dtype | None = None,
         recompute: str = "none",
         hold: Callable[[Tensor], object] | None = None,
+        keep_contexts: bool = True,
     ) -> None:
         check_recompute(recompute)
         self.stage = stage
@@ -92,13 +93,18 @@ class SliceExecutor:
                 f"plan's sequence length {plan.seq_len} exceeds the model's context of "
                 f"{stage.cfg.seq_len} tokens (GPTConfig.seq_len)"
             )
+        # False: a batch slice's context is freed after its backward (an asynchronous
+        # schedule's plan holds every iteration's batch slices, only some in flight).
+        self.keep_contexts = keep_contexts
         self._contexts: dict[int, StageContext] = {}
+        self.peak_contexts: list[StageContext] = []  # the most alive at once
         self._saved: dict[Unit, _Saved] = {}
         self._next_forward = [0] * plan.n_batch_slices
         self._next_backward = [len(ts) for ts in plan.token_slices]
 
     def context(self, b: int) -> StageContext:
-        """Batch slice ``b``'s K/V context, allocated once and reused every iteration."""
+        """Batch slice ``b``'s K/V context, allocated once and reused every iteration
+        (unless ``keep_contexts`` is off)."""
         if b not in self._contexts:
             self._contexts[b] = self.stage.new_context(
                 self.plan.batch_slices[b],
@@ -106,6 +112,8 @@ class SliceExecutor:
                 dtype=self.dtype,
                 attention=self.attention,
             )
+            if len(self._contexts) > len(self.peak_contexts):
+                self.peak_contexts = list(self._contexts.values())
         return self._contexts[b]
 
     def forward(self, unit: Unit, x: Tensor, targets: Tensor | None = None) -> Tensor:
@@ -180,6 +188,8 @@ class SliceExecutor:
         else:
             torch.autograd.backward(output, grad_output)
         self._next_backward[b] = t if t > 0 else self.plan.n_token_slices(b)
+        if t == 0 and not self.keep_contexts:
+            del self._contexts[b]
         return saved.input.grad
 
     @property

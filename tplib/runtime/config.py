@@ -34,6 +34,7 @@ from tplib.schedule import Schedule, make_schedule
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
+    "DATA_SOURCES",
     "WEIGHT_DECAY_PARAMS",
     "Hooks",
     "RunConfig",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 WEIGHT_DECAY_PARAMS = ("matrices", "all")
+DATA_SOURCES = ("synthetic", "stdlib")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class RunConfig:
     iteration, the untimed ``warmup`` ones included (that ``warmup`` is about timing, not
     the learning rate), and an fp16 step skipped on overflow still uses up its rate.
 
+    An asynchronous ``schedule`` ("pipedream", "2bw"; see
+    :mod:`tplib.schedule.asynchronous`) spans the run's ``warmup + steps`` iterations
+    without a flush, one update per iteration; it needs ``grad_clip=0``.
+
     The derived values are computed once, when the config is made: :attr:`cfg` (the
     model config with ``model_overrides``), :attr:`plan`, :attr:`ranges` and the
     validated :attr:`schedule_data`.
@@ -81,6 +87,7 @@ class RunConfig:
 
     model: str = "tiny"
     schedule: str = "terapipe"
+    vertical_sync: bool = False  # pipedream only: every stage uses the entry version
     n_stages: int = 1
     n_data: int = 1
     n_op: int = 1
@@ -103,7 +110,8 @@ class RunConfig:
     lr_decay_steps: int | None = None  # the step the cosine ends; None: warmup + steps
     min_lr_ratio: float = 0.1  # the cosine's floor, a fraction of ``lr``
     seed: int = 0  # model initialisation
-    data_seed: int = 1  # iteration i trains on synthetic_batch(seed=data_seed + i)
+    data_seed: int = 1  # iteration i trains on batch(seed=data_seed + i)
+    data: str = "synthetic"  # "synthetic" (seeded random ids) | "stdlib" (byte-level text)
     device: str = "cpu"
     precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (CUDA: fp32 master weights)
     recompute: str = "none"  # "none" | "full" (keep only each unit's input; recompute)
@@ -152,8 +160,39 @@ class RunConfig:
         plan.check_covers(self.pipeline_batch, self.seq_len)
         ranges = self.stage_ranges or balanced_stages(cfg.n_layer, self.n_stages)
         check_stage_ranges(cfg, ranges, self.n_stages)
-        schedule = make_schedule(self.schedule, self.n_stages, plan)
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"RunConfig.data={self.data!r}: choose one of {DATA_SOURCES}")
+        schedule = make_schedule(
+            self.schedule,
+            self.n_stages,
+            plan,
+            n_iterations=self.warmup + self.steps,
+            vertical_sync=self.vertical_sync,
+        )
+        if schedule.asynchronous:
+            self._check_asynchronous(cfg)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
+
+    def _check_asynchronous(self, cfg: GPTConfig) -> None:
+        """What an asynchronous schedule cannot combine with, and why."""
+        if self.grad_clip > 0:
+            raise ValueError(
+                f"schedule={self.schedule!r} with grad_clip={self.grad_clip}: clipping to the "
+                "global gradient norm makes every stage wait for every other at each update, "
+                "the flush an asynchronous schedule exists to avoid; set grad_clip=0"
+            )
+        if self.precision == "fp16":
+            raise ValueError(
+                f"schedule={self.schedule!r} with precision='fp16': skipping an overflowing "
+                "step needs every stage to agree at each update (a flush); use 'bf16' or "
+                "'fp32'"
+            )
+        if cfg.dropout > 0:
+            raise ValueError(
+                f"schedule={self.schedule!r} with dropout={cfg.dropout}: the runtime keys "
+                "dropout masks by iteration, which asynchronous schedules do not do yet; "
+                "set model_overrides dropout=0"
+            )
 
     def _check_optimiser(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

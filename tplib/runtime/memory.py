@@ -161,6 +161,13 @@ class MemoryMeter:
         """How many distinct storages are counted now."""
         return len(self._refs)
 
+    def include(self, tensors: Iterable[Tensor]) -> None:
+        """Undo :meth:`exclude` for ``tensors`` (their storages may then be freed)."""
+        for t in tensors:
+            if t.layout == torch.strided:
+                storage = t.untyped_storage()
+                self._excluded.pop((storage.device, storage.data_ptr()), None)
+
     def exclude(self, tensors: Iterable[Tensor]) -> None:
         """Never count the storages of ``tensors`` (nor of any view of them).
 

@@ -11,6 +11,15 @@ runtime's code: parameter groups chosen by ``ndim`` right here,
 parameter, counted once: the definition of the global norm the runtime's ranks must
 agree on), and the learning rate driven by ``torch.optim.lr_scheduler`` schedulers
 (:func:`torch_lr_scheduler`), not by :mod:`tplib.lr`.
+
+Asynchronous schedules compute gradients on older weights, and the reference applies
+their defining recurrences directly (:func:`stage_delays`): iteration t's gradient is
+taken with stage k's weights as they were ``d_k`` updates ago,
+W(t+1) = W(t) - lr * grad f_t(W_0(t - d_0), ..., W_{K-1}(t - d_{K-1})), clamped at
+W(0), and AdamW's moments are taken over these delayed gradients. It keeps the history
+of the whole model's weights and evaluates each iteration's gradient on a chain of K
+stage copies loaded from it (the tied embedding's two uses may then see different
+versions: PipeDream's first stage reads an older one than its last).
 """
 
 from __future__ import annotations
@@ -28,12 +37,24 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-from tplib.data import synthetic_batch
+from tplib.data import training_batch
 from tplib.dropout import DropoutKey
-from tplib.model import build_model
+from tplib.model import GPTStage, build_model
 from tplib.runtime.config import RunConfig
 
-__all__ = ["ReferenceResult", "torch_lr_scheduler", "train_reference"]
+__all__ = ["ReferenceResult", "stage_delays", "torch_lr_scheduler", "train_reference"]
+
+
+def stage_delays(run: RunConfig) -> tuple[int, ...]:
+    """The updates by which each stage's weights lag in ``run``'s update rule, from the
+    papers: 2BW 1 on every stage; PipeDream K-1-k on stage k (weight stashing), K-1 on
+    every stage with vertical sync; synchronous schedules 0."""
+    k = run.n_stages
+    if run.schedule == "2bw":
+        return (1,) * k
+    if run.schedule == "pipedream":
+        return (k - 1,) * k if run.vertical_sync else tuple(k - 1 - s for s in range(k))
+    return (0,) * k
 
 
 @dataclass
@@ -90,11 +111,18 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     )
     scheduler = torch_lr_scheduler(optimizer, run)
     result = ReferenceResult([], {}, {})
+    delays = stage_delays(run)
+    delayed = _Delayed(run, model) if any(delays) else None
     for i in range(run.warmup + run.steps):
-        tokens, targets = synthetic_batch(run.cfg, run.batch, run.seq_len, seed=run.data_seed + i)
+        tokens, targets = training_batch(
+            run.cfg, run.data, run.batch, run.seq_len, seed=run.data_seed + i
+        )
         key = DropoutKey.for_iteration(run.seed, i) if run.cfg.dropout > 0 else None
-        loss = model(tokens, targets=targets, dropout=key) / targets.numel()
-        loss.backward()
+        if delayed is None:
+            loss = model(tokens, targets=targets, dropout=key) / targets.numel()
+            loss.backward()
+        else:
+            loss = delayed.gradient(i, delays, tokens, targets)
         timed = i >= run.warmup
         if timed:
             result.losses.append(loss.item())
@@ -114,3 +142,47 @@ def train_reference(run: RunConfig) -> ReferenceResult:
         optimizer.zero_grad(set_to_none=True)
     result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
+
+
+class _Delayed:
+    """Gradients on delayed weights: the whole model's weights after every update, and
+    a chain of stage copies to evaluate a gradient on a mix of them."""
+
+    def __init__(self, run: RunConfig, model: GPTStage) -> None:
+        self.model = model
+        self.tied = run.cfg.tie_embeddings
+        self.history = [self._snapshot()]  # weights after 0, 1, ... updates
+        self.stages = [build_model(run.cfg, lo, hi, seed=run.seed) for lo, hi in run.ranges]
+
+    def _snapshot(self) -> dict[str, Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def _whole(self, stage: GPTStage, name: str) -> str:
+        # A last stage's head is the whole model's (tied) embedding.
+        tied = self.tied and stage.is_last and not stage.is_first and name == "head.weight"
+        return "wte.weight" if tied else name
+
+    def gradient(self, i: int, delays: tuple[int, ...], tokens: Tensor, targets: Tensor) -> Tensor:
+        """Iteration ``i``'s mean loss with each stage on its delayed weights; its
+        gradient, summed over every use of each whole-model parameter, is left in the
+        model's ``.grad``. Call after each update: it records the weights."""
+        if len(self.history) < i + 1:
+            self.history.append(self._snapshot())
+        with torch.no_grad():
+            for stage, delay in zip(self.stages, delays, strict=True):
+                weights = self.history[max(i - delay, 0)]
+                for name, p in stage.named_parameters():
+                    p.copy_(weights[self._whole(stage, name)])
+                    p.grad = None
+        x = tokens
+        for stage in self.stages[:-1]:
+            x = stage(x)
+        loss = self.stages[-1](x, targets=targets) / targets.numel()
+        loss.backward()
+        whole = dict(self.model.named_parameters())
+        for stage in self.stages:
+            for name, p in stage.named_parameters():
+                target = whole[self._whole(stage, name)]
+                assert p.grad is not None
+                target.grad = p.grad.clone() if target.grad is None else target.grad + p.grad
+        return loss.detach()

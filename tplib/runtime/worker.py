@@ -1,5 +1,6 @@
 """The per-process pipeline interpreter: one process per (replica, stage, op rank) runs its
-stage's list of actions, iteration after iteration.
+stage's list of actions, iteration after iteration (an asynchronous schedule's list
+spans every iteration of the run, and is walked once).
 
 Each process builds its shard of its stage of the model, then walks the actions of
 :attr:`RunConfig.schedule_data <tplib.runtime.RunConfig.schedule_data>` through a dispatch
@@ -10,7 +11,8 @@ gradient all-reduce (across data-parallel replicas, and between the two copies o
 embedding) and the optimizer step. A new kind of action is one method and one table entry.
 
 The step is GPT-3's recipe (:mod:`tplib.runtime.update`); who talks to whom, and how, is
-:mod:`tplib.runtime.groups`.
+:mod:`tplib.runtime.groups`. Under an asynchronous schedule each forward and backward
+first installs the weight version it names (:mod:`tplib.runtime.versions`).
 
 Communication semantics are the ones the schedule validator checks: a send is posted
 asynchronously and completed before the all-reduce; a receive blocks, with a timeout,
@@ -24,6 +26,7 @@ parameters, gradients (kept allocated between steps), optimizer state and K/V co
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tplib.data import synthetic_batch
+from tplib.data import batch_rows
 from tplib.dropout import DropoutKey
 from tplib.model import build_model
 from tplib.plan import Unit
@@ -42,58 +45,26 @@ from tplib.precision import autocast, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
+from tplib.runtime.rank import TRACE_COLUMNS, RankResult
 from tplib.runtime.update import Update
+from tplib.runtime.versions import WeightVersions
 from tplib.schedule import Action, Kind
 from tplib.slicing import SliceExecutor, unit_rows
 
-__all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]
-
-TRACE_COLUMNS = (
-    "rank",
-    "stage",
-    "replica",
-    "op_rank",
-    "iteration",
-    "kind",
-    "b",
-    "t",
-    "start",
-    "end",
-)
-TraceRow = tuple[int, int, int, int, int, str, int, int, float, float]
-
-
-@dataclass
-class RankResult:
-    """What one process returns: its trace, losses, timings, memory and (optionally)
-    tensors (its shards, with #Op > 1)."""
-
-    rank: int
-    stage: int
-    replica: int
-    layers: tuple[int, int]
-    op_rank: int = 0
-    trace: list[TraceRow] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # per timed iteration, last stage only
-    iteration_s: list[float] = field(default_factory=list)
-    memory: StageMemory | None = None
-    steps_skipped: int = 0  # fp16 steps skipped on overflow
-    # Per timed iteration, the global gradient norm before clipping (the same on every
-    # rank; NaN for a skipped fp16 step); empty when the run does not clip.
-    grad_norms: list[float] = field(default_factory=list)
-    grads: dict[str, Tensor] = field(default_factory=dict)
-    params: dict[str, Tensor] = field(default_factory=dict)
+__all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]  # results: rank.py
 
 
 @dataclass
 class _Iteration:
-    """What one iteration's actions hand each other."""
+    """What the actions of one pass over the schedule (one iteration; every iteration
+    of an asynchronous schedule) hand each other."""
 
-    index: int
-    tokens: Tensor  # this replica's sequences
+    index: int  # the first iteration the pass runs
+    tokens: Tensor  # this replica's sequences, iteration after iteration
     targets: Tensor
-    loss: Tensor  # the last stage's summed scaled loss, on the device: no sync per unit
-    received: dict[Action, Tensor] = field(default_factory=dict)  # keyed by the consumer
+    loss: Tensor  # per iteration, the last stage's summed scaled loss, on the device
+    # Keyed by the consuming compute action's (kind, b, t), whatever its weight version.
+    received: dict[tuple[Kind, int, int], Tensor] = field(default_factory=dict)
     outputs: dict[Unit, Tensor] = field(default_factory=dict)  # awaiting their send
     pending: list[tuple[dist.Work, Tensor, Action]] = field(default_factory=list)
 
@@ -108,7 +79,7 @@ class Worker:
         self.run, self.rank, self.hooks = run, rank, hooks
         self.replica, self.stage_id, self.op_rank = run.position(rank)
         self.schedule = run.schedule_data
-        self.plan = run.plan
+        self.plan = self.schedule.plan  # an asynchronous one: every iteration's units
         self.device = torch.device(run.device)
         self.groups = RankGroups(run, rank, self.device)
         lo, hi = run.ranges[self.stage_id]
@@ -126,6 +97,7 @@ class Worker:
         self.params = self.update.params
         self.meter = MemoryMeter()
         self.counting = self.device.type == "cpu" and hooks.count_memory
+        self.asynchronous = self.schedule.asynchronous
         self.executor = SliceExecutor(
             self.stage,
             self.plan,
@@ -133,11 +105,18 @@ class Worker:
             dtype=torch.bfloat16 if run.precision == "bf16" else self.wire_dtype,
             recompute=run.recompute,
             hold=self.meter.hold if self.counting else None,
+            keep_contexts=not self.asynchronous,
         )
-        # Contexts up front: they are static memory, never counted as activations.
-        self.contexts = [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
         self.meter.exclude(self.params)
-        self.meter.exclude(context_tensors(self.contexts))
+        self.versions: WeightVersions | None = None
+        self.updates = 0  # optimizer steps made so far
+        self.position = 0  # the index of the action running in the stage's list
+        if self.asynchronous:
+            self.versions = WeightVersions(self.stage, self.schedule.actions[self.stage_id])
+        else:
+            # Contexts up front: they are static memory, never counted as activations.
+            for b in range(self.plan.n_batch_slices):
+                self.meter.exclude(context_tensors([self.executor.context(b)]))
         self.timeout = datetime.timedelta(seconds=run.timeout_s)
         self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
 
@@ -166,24 +145,32 @@ class Worker:
                 ) from exc
         self.groups.broadcast_from(buf, carrier)
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
-        it.received[Action(consumer, action.stage, b, t)] = buf.to(self.device)
+        it.received[consumer, b, t] = buf.to(self.device)
 
     def forward(self, action: Action, it: _Iteration) -> None:
-        """F: the unit's forward; the last stage adds its scaled loss."""
+        """F: the unit's forward (on its weight version); the last stage adds its scaled
+        loss."""
         unit = action.unit
-        x = it.received.pop(action, None)
+        if self.versions is not None:
+            self.versions.use(action.v)
+        x = it.received.pop((action.kind, action.b, action.t), None)
         if x is None:
             x = unit_rows(self.plan, unit, it.tokens).to(self.device)  # token ids
         y = unit_rows(self.plan, unit, it.targets).to(self.device) if self.stage.is_last else None
+        if self.asynchronous and self.counting:  # allocated as the unit enters
+            self.meter.exclude(context_tensors([self.executor.context(unit.b)]))
         out = self.executor.forward(unit, x, y)
         if self.stage.is_last:
-            it.loss += out.float()
+            it.loss[self.schedule.iteration_of(unit.b)] += out.float()
         else:
             it.outputs[unit] = out
 
     def backward(self, action: Action, it: _Iteration) -> None:
-        """B: the unit's backward; keeps the input gradient for the previous stage."""
-        grad_in = it.received.pop(action, None)
+        """B: the unit's backward (on its forward's weight version); keeps the input
+        gradient for the previous stage."""
+        if self.versions is not None:
+            self.versions.use(action.v)
+        grad_in = it.received.pop((action.kind, action.b, action.t), None)
         grad = self.executor.backward(action.unit, grad_in)
         if not self.stage.is_first:
             assert grad is not None  # a hidden-state input always has a gradient
@@ -206,9 +193,11 @@ class Worker:
         it.pending.append((work, tensor, action))
 
     def allreduce(self, action: Action, it: _Iteration) -> None:
-        """AR: complete the sends, then sum the gradients of the tied embedding's two copies
-        and the stage's gradients across its data-parallel replicas."""
-        self._wait_sends(it.pending)
+        """AR: complete the sends (a synchronous schedule's), then sum the gradients of the
+        tied embedding's two copies and the stage's gradients across its data-parallel
+        replicas."""
+        if not self.asynchronous:  # in flight, a send may wait on a later receive
+            self._wait_sends(it.pending)
         shared = shared_weight(self.stage)
         if shared is not None and self.groups.tied is not None:
             # The first stage's embedding and the last stage's head are one parameter of
@@ -228,15 +217,28 @@ class Worker:
             offset += g.numel()
 
     def step(self, action: Action, it: _Iteration) -> None:
-        """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`)."""
-        if self.hooks.collect_grads and it.index == 0:
+        """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`); under an
+        asynchronous schedule the versions still in use are stashed first."""
+        index = self.updates  # one update per iteration, in order
+        if self.hooks.collect_grads and index == 0:
             scale = self.update.optimizer.loss_scale
             self.result.grads = {
                 n: (p.grad.float() / scale).cpu()
                 for n, p in self.stage.named_parameters()
                 if p.grad is not None
             }
-        self.update.step(it.index)
+        if self.versions is None:
+            self.update.step(index)
+            self.updates += 1
+            return
+        self.versions.before_step(self.position)
+        self.update.step(index)
+        self.updates += 1
+        self.versions.after_step()
+        if self.counting:  # the home weights may have moved to a new storage
+            self.meter.exclude(self.params)
+        # Autocast caches a cast of every weight it sees, each version's too: drop them.
+        torch.clear_autocast_cache()
 
     DISPATCH: ClassVar[dict[Kind, Handler]] = {
         Kind.RA: receive,
@@ -263,14 +265,17 @@ class Worker:
         pending.clear()
 
     def iteration(self, index: int, record: bool) -> None:
+        """One pass over the stage's actions: iteration ``index`` of a synchronous
+        schedule, or (``index`` 0) every iteration of an asynchronous one."""
         run = self.run
-        tokens, targets = synthetic_batch(
-            run.cfg, run.batch, run.seq_len, seed=run.data_seed + index
-        )
-        # This replica's share of the global batch; the plan cuts it into units.
+        n = self.schedule.n_iterations
+        # This replica's share of each global batch; the plan cuts it into units.
         mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        it = _Iteration(index, tokens[mine], targets[mine], loss)
+        tokens, targets = batch_rows(
+            run.cfg, run.data, run.batch, run.seq_len, range(index, index + n), run.data_seed, mine
+        )
+        loss = torch.zeros(n, dtype=torch.float32, device=self.device)
+        it = _Iteration(index, tokens, targets, loss)
         self.executor.grad_scale = self.update.optimizer.loss_scale
         if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
             self.executor.dropout = DropoutKey.for_iteration(
@@ -279,10 +284,12 @@ class Worker:
         dist.barrier()
         t0 = time.perf_counter()
         self._maybe_fault()
-        # One autocast region per iteration: its cast weights are cached once, not per unit.
+        # One autocast region per pass: its cast weights are cached once, not per unit.
         meter = self.meter if self.counting else nullcontext()
+        updates_s: list[float] = []  # when each update ended (asynchronous: per iteration)
         with autocast(run.precision, self.device.type), meter:
-            for action in self.schedule.actions[self.stage_id]:
+            for position, action in enumerate(self.schedule.actions[self.stage_id]):
+                self.position = position
                 handler = self.DISPATCH.get(action.kind)
                 if handler is None:
                     raise NotImplementedError(
@@ -291,17 +298,36 @@ class Worker:
                     )
                 start = time.perf_counter()
                 handler(self, action, it)
+                if self.versions is not None:
+                    dropped = self.versions.done(self.position)
+                    if self.counting:
+                        self.meter.include(dropped)
+                    if action.kind is Kind.OPT:
+                        updates_s.append(time.perf_counter() - t0)
                 if record:
                     self._trace(index, action, start - t0, t0)
+            self._wait_sends(it.pending)
+        if self.versions is not None:
+            self.versions.restore()
         dist.barrier()
-        if record:
+        if not record:
+            return
+        if self.asynchronous:
+            # Steady state: the time between consecutive updates of the timed iterations.
+            gaps = [b - a for a, b in itertools.pairwise([0.0, *updates_s])]
+            self.result.iteration_s += gaps[run.warmup :]
+        else:
             self.result.iteration_s.append(time.perf_counter() - t0)
-            if self.stage.is_last:
-                self.result.losses.append(float(it.loss))
+        if self.stage.is_last:
+            self.result.losses += [float(x) for x in it.loss[run.warmup if n > 1 else 0 :]]
 
     def _trace(self, index: int, action: Action, start: float, t0: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.asynchronous:  # the iteration the unit (or update) belongs to
+            index = self.updates - 1 if action.b < 0 else self.schedule.iteration_of(action.b)
+            if action.kind is Kind.AR:
+                index = self.updates
         self.result.trace.append(
             (
                 self.rank,
@@ -312,6 +338,7 @@ class Worker:
                 action.kind.value,
                 action.b,
                 action.t,
+                action.v,
                 start,
                 time.perf_counter() - t0,
             )
@@ -327,7 +354,11 @@ class Worker:
     def _memory(self) -> StageMemory | None:
         if self.device.type == "cpu" and not self.counting:
             return None
-        buffers = context_tensors(self.contexts)
+        buffers = context_tensors(
+            self.executor.peak_contexts
+            if self.asynchronous
+            else [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
+        )
         state = self.update.optimizer.state_bytes()
         if self.device.type == "cuda":
             return StageMemory.allocator(
@@ -340,8 +371,13 @@ class Worker:
     def train(self) -> RankResult:
         if self.device.type == "cuda":
             reset_cuda_peak(self.device)
-        for i in range(self.run.warmup + self.run.steps):
-            self.iteration(i, record=i >= self.run.warmup)
+        if self.asynchronous:  # one pass runs every iteration, without a flush
+            self.iteration(0, record=True)
+            assert self.versions is not None
+            self.result.weight_versions = self.versions.most_held
+        else:
+            for i in range(self.run.warmup + self.run.steps):
+                self.iteration(i, record=i >= self.run.warmup)
         self.result.memory = self._memory()
         self.result.grad_norms = [float(n) for n in self.update.grad_norms]
         self.result.steps_skipped = self.update.steps_skipped

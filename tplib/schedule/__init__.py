@@ -5,6 +5,7 @@ module            what it holds
 ================  ===================================================================
 ``actions``       :class:`Kind`, :class:`Action`, :class:`Schedule` (and its CSV form)
 ``generators``    ``gpipe``, ``terapipe``, ``1f1b`` and the passes that complete them
+``asynchronous``  ``pipedream``, ``2bw``: many iterations, no flush, weight versions
 ``engine``        the event engine: when each action runs, given durations
 ``validate``      :func:`validate` and :func:`replay`
 ``grid``          :func:`format_grid`, the stage x step drawing errors print
@@ -19,6 +20,7 @@ from tplib.schedule.actions import (
     COMPUTE,
     LOCAL_WORK,
     NO_UNIT,
+    NO_VERSION,
     RECEIVES,
     SENDS,
     UPDATE,
@@ -28,6 +30,7 @@ from tplib.schedule.actions import (
     ScheduleError,
     parse_kind,
 )
+from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, pipedream, two_bw
 from tplib.schedule.engine import TimedAction, link_of
 from tplib.schedule.generators import (
     SCHEDULES,
@@ -42,10 +45,12 @@ from tplib.schedule.grid import format_grid
 from tplib.schedule.validate import replay, validate
 
 __all__ = [
+    "ASYNC_SCHEDULES",
     "COMMUNICATION",
     "COMPUTE",
     "LOCAL_WORK",
     "NO_UNIT",
+    "NO_VERSION",
     "RECEIVES",
     "SCHEDULES",
     "SENDS",
@@ -59,11 +64,14 @@ __all__ = [
     "add_update",
     "format_grid",
     "gpipe",
+    "held_versions",
     "link_of",
     "make_schedule",
     "one_f_one_b",
     "parse_kind",
+    "pipedream",
     "replay",
     "terapipe",
+    "two_bw",
     "validate",
 ]

@@ -7,6 +7,13 @@ end of the iteration, to the stage as a whole. It is plain data, printed compact
 (``F b0 t2``, ``AR``) and parsed back, saved to CSV and read back, so one representation
 serves the runtime (which interprets it), the simulator (which replays it with costs),
 the plots and the tests.
+
+A synchronous schedule is one iteration, ended by the update. An asynchronous one
+(PipeDream, PipeDream-2BW) runs ``n_iterations`` iterations without a flush: its plan is
+the iteration's plan repeated, batch slice ``b`` belonging to iteration
+``b // batch_slices_per_iteration``; it interleaves the updates (``AR``, ``OPT``) with
+the units, and every forward and backward names the weight version ``v`` it uses (the
+stage's weights after ``v`` updates), printed ``F b0 t2 v1``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ __all__ = [
     "COMPUTE",
     "LOCAL_WORK",
     "NO_UNIT",
+    "NO_VERSION",
     "RECEIVES",
     "SENDS",
     "UPDATE",
@@ -62,9 +70,11 @@ UPDATE = frozenset({Kind.AR, Kind.OPT})  # once per stage, at the end; they have
 LOCAL_WORK = frozenset({Kind.F, Kind.B, Kind.OPT})
 
 NO_UNIT = -1  # b and t of the update actions, which belong to no unit
+NO_VERSION = -1  # v of every action of a synchronous schedule, and of non-compute actions
 
 _ACTION_RE = re.compile(
-    r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)|(?P<update>AR|OPT))\s*$"
+    r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)(?:\s+v(?P<v>\d+))?"
+    r"|(?P<update>AR|OPT))\s*$"
 )
 
 
@@ -89,12 +99,14 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Action:
     """One step of one stage: ``kind`` applied to unit (``b``, ``t``) on ``stage``; the
-    update kinds (``AR``, ``OPT``) take no unit (``b = t = -1``)."""
+    update kinds (``AR``, ``OPT``) take no unit (``b = t = -1``). In an asynchronous
+    schedule a forward or backward also names the weight version ``v`` it uses."""
 
     kind: Kind
     stage: int
     b: int = NO_UNIT
     t: int = NO_UNIT
+    v: int = NO_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", parse_kind(self.kind))
@@ -111,6 +123,11 @@ class Action:
                 f"action {self.kind} b{self.b} t{self.t} on stage {self.stage}: "
                 "a unit's batch-slice and token-slice indices must be non-negative"
             )
+        if self.v != NO_VERSION and (self.kind not in COMPUTE or self.v < 0):
+            raise ValueError(
+                f"action {self.kind} b{self.b} t{self.t} v{self.v}: only forwards and "
+                "backwards use a weight version, numbered from 0"
+            )
 
     @property
     def unit(self) -> Unit:
@@ -118,7 +135,10 @@ class Action:
 
     def __str__(self) -> str:
         # The stage is the row the action sits in, so the compact form leaves it out.
-        return str(self.kind) if self.kind in UPDATE else f"{self.kind} b{self.b} t{self.t}"
+        if self.kind in UPDATE:
+            return str(self.kind)
+        version = "" if self.v == NO_VERSION else f" v{self.v}"
+        return f"{self.kind} b{self.b} t{self.t}{version}"
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Action:
@@ -131,17 +151,20 @@ class Action:
             )
         if m["update"]:
             return cls(Kind(m["update"]), stage)
-        return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]))
+        v = NO_VERSION if m["v"] is None else int(m["v"])
+        return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]), v)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """A named schedule: ``actions[k]`` is stage k's ordered list of actions."""
+    """A named schedule: ``actions[k]`` is stage k's ordered list of actions, over
+    ``n_iterations`` iterations whose plans, one after another, make ``plan``."""
 
     name: str
     n_stages: int
     plan: Plan
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    n_iterations: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
@@ -158,6 +181,27 @@ class Schedule:
                     raise ValueError(
                         f"action {a} labelled stage {a.stage} sits in stage {k}'s list"
                     )
+        n_b = self.plan.n_batch_slices
+        if self.n_iterations < 1 or n_b % self.n_iterations:
+            raise ValueError(
+                f"schedule {self.name!r}: n_iterations={self.n_iterations} must be a positive "
+                f"divisor of the plan's {n_b} batch slices (each iteration has the same number)"
+            )
+
+    @property
+    def batch_slices_per_iteration(self) -> int:
+        """m: the batch slices (microbatches) of one iteration."""
+        return self.plan.n_batch_slices // self.n_iterations
+
+    def iteration_of(self, b: int) -> int:
+        """The iteration batch slice ``b`` belongs to."""
+        return b // self.batch_slices_per_iteration
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether its forwards and backwards name weight versions (no flush: the stages
+        update while other units are in flight)."""
+        return any(a.v != NO_VERSION for acts in self.actions for a in acts)
 
     def compute_actions(self, stage: int) -> tuple[Action, ...]:
         """Stage ``stage``'s forwards and backwards, in order, without communication."""
@@ -175,7 +219,12 @@ class Schedule:
         """Write one row per action (stage, index, kind, b, t) after ``# key: value``
         comment lines holding the name, stage count and plan (``pandas.read_csv(...,
         comment="#")`` reads the rows)."""
-        meta = {"name": self.name, "n_stages": str(self.n_stages), "plan": self.plan.to_paper()}
+        meta = {
+            "name": self.name,
+            "n_stages": str(self.n_stages),
+            "n_iterations": str(self.n_iterations),
+            "plan": self.plan.to_paper(),
+        }
         for key in ("latency", "t_max", "eps"):
             value = getattr(self.plan, key)
             if value is not None:
@@ -184,10 +233,10 @@ class Schedule:
             for key, value in meta.items():
                 f.write(f"# {key}: {value}\n")
             writer = csv.writer(f, lineterminator="\n")
-            writer.writerow(["stage", "index", "kind", "b", "t"])
+            writer.writerow(["stage", "index", "kind", "b", "t", "v"])
             for k, acts in enumerate(self.actions):
                 for i, a in enumerate(acts):
-                    writer.writerow([k, i, a.kind.value, a.b, a.t])
+                    writer.writerow([k, i, a.kind.value, a.b, a.t, a.v])
 
     @classmethod
     def from_csv(cls, path_or_buffer: str | os.PathLike[str] | IO[str]) -> Schedule:
@@ -216,18 +265,26 @@ class Schedule:
         )
         n_stages = int(meta["n_stages"])
         rows = sorted(
-            (int(r["stage"]), int(r["index"]), r["kind"], int(r["b"]), int(r["t"]))
+            (
+                int(r["stage"]),
+                int(r["index"]),
+                r["kind"],
+                int(r["b"]),
+                int(r["t"]),
+                int(r.get("v") or NO_VERSION),  # files written before versions lack it
+            )
             for r in csv.DictReader(body)
         )
         actions: list[list[Action]] = [[] for _ in range(n_stages)]
-        for k, i, kind, b, t in rows:
+        for k, i, kind, b, t, v in rows:
             if not 0 <= k < n_stages or i != len(actions[k]):
                 raise ValueError(
                     f"schedule CSV row stage={k} index={i} is out of place: "
                     "indices must run 0, 1, ... on each stage"
                 )
-            actions[k].append(Action(parse_kind(kind), k, b, t))
-        return cls(meta["name"], n_stages, plan, tuple(tuple(a) for a in actions))
+            actions[k].append(Action(parse_kind(kind), k, b, t, v))
+        n_iterations = int(meta.get("n_iterations", "1"))
+        return cls(meta["name"], n_stages, plan, tuple(tuple(a) for a in actions), n_iterations)
 
 
 @contextmanager

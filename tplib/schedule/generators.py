@@ -29,9 +29,10 @@ slice by batch slice, so a stage holds at most three units' activations, not six
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import COMPUTE, Action, Kind, Schedule
+from tplib.schedule.actions import COMPUTE, UPDATE, Action, Kind, Schedule
 from tplib.schedule.validate import validate
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "gpipe",
     "make_schedule",
     "one_f_one_b",
+    "one_f_one_b_order",
     "terapipe",
 ]
 
@@ -99,6 +101,12 @@ def one_f_one_b(n_stages: int, plan: Plan) -> Schedule:
     valid. With M = 1 this is the standard PipeDream-Flush / Megatron 1F1B.
     """
     _check_stages(n_stages)
+    orders = [one_f_one_b_order(k, n_stages, plan) for k in range(n_stages)]
+    return _complete("1f1b", n_stages, plan, orders)
+
+
+def one_f_one_b_order(k: int, n_stages: int, plan: Plan) -> list[tuple[Kind, Unit]]:
+    """Stage k's forwards and backwards under 1F1B (see :func:`one_f_one_b`)."""
     fwd = list(plan.units())
     bwd = [
         Unit(b, t)
@@ -106,20 +114,17 @@ def one_f_one_b(n_stages: int, plan: Plan) -> Schedule:
         for t in reversed(range(plan.n_token_slices(b)))
     ]
     index = {u: i for i, u in enumerate(fwd)}
-    orders = []
-    for k in range(n_stages):
-        warmup = min(n_stages - k - 1 + plan.n_token_slices(0) - 1, len(fwd))
-        order = [(Kind.F, u) for u in fwd[:warmup]]
-        n_fwd = warmup
-        for u in bwd:
-            # One forward per backward in the steady state; more if u's own forward is
-            # still ahead (a later batch slice with more token slices than the first).
-            target = max(min(n_fwd + 1, len(fwd)), index[u] + 1)
-            order += [(Kind.F, v) for v in fwd[n_fwd:target]]
-            n_fwd = target
-            order.append((Kind.B, u))
-        orders.append(order)
-    return _complete("1f1b", n_stages, plan, orders)
+    warmup = min(n_stages - k - 1 + plan.n_token_slices(0) - 1, len(fwd))
+    order = [(Kind.F, u) for u in fwd[:warmup]]
+    n_fwd = warmup
+    for u in bwd:
+        # One forward per backward in the steady state; more if u's own forward is
+        # still ahead (a later batch slice with more token slices than the first).
+        target = max(min(n_fwd + 1, len(fwd)), index[u] + 1)
+        order += [(Kind.F, v) for v in fwd[n_fwd:target]]
+        n_fwd = target
+        order.append((Kind.B, u))
+    return order
 
 
 def add_communication(schedule: Schedule) -> Schedule:
@@ -132,9 +137,12 @@ def add_communication(schedule: Schedule) -> Schedule:
         out: list[Action] = []
         for a in acts:
             if a.kind not in COMPUTE:
+                if a.kind in UPDATE:
+                    out.append(a)  # an asynchronous schedule's updates stay in place
+                    continue
                 raise ValueError(
                     f"add_communication got {a} on stage {k}: it expects a schedule of "
-                    "forwards and backwards only"
+                    "forwards, backwards and updates"
                 )
             forward = a.kind is Kind.F
             before, after = (Kind.RA, Kind.SA) if forward else (Kind.RG, Kind.SG)
@@ -146,7 +154,7 @@ def add_communication(schedule: Schedule) -> Schedule:
             if has_after:
                 out.append(Action(after, k, a.b, a.t))
         stages.append(tuple(out))
-    return Schedule(schedule.name, schedule.n_stages, schedule.plan, tuple(stages))
+    return replace(schedule, actions=tuple(stages))
 
 
 def add_update(schedule: Schedule) -> Schedule:
@@ -155,7 +163,7 @@ def add_update(schedule: Schedule) -> Schedule:
     stages = tuple(
         (*acts, Action(Kind.AR, k), Action(Kind.OPT, k)) for k, acts in enumerate(schedule.actions)
     )
-    return Schedule(schedule.name, schedule.n_stages, schedule.plan, stages)
+    return replace(schedule, actions=stages)
 
 
 SCHEDULES: dict[str, Callable[[int, Plan], Schedule]] = {
@@ -165,10 +173,35 @@ SCHEDULES: dict[str, Callable[[int, Plan], Schedule]] = {
 }
 
 
-def make_schedule(name: str, n_stages: int, plan: Plan) -> Schedule:
-    """Build the schedule registered as ``name`` and validate it."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: known schedules are {sorted(SCHEDULES)}")
-    schedule = SCHEDULES[name](n_stages, plan)
-    validate(schedule)
+def make_schedule(
+    name: str,
+    n_stages: int,
+    plan: Plan,
+    *,
+    n_iterations: int = 1,
+    vertical_sync: bool = False,
+    check: bool = True,
+) -> Schedule:
+    """Build the schedule registered as ``name`` and (``check``) validate it. A
+    synchronous schedule is one iteration of ``plan``; an asynchronous one
+    (:data:`tplib.schedule.asynchronous.ASYNC_SCHEDULES`) spans ``n_iterations`` of them,
+    and ``vertical_sync`` is PipeDream's option."""
+    # Imported here: the asynchronous generators build on this module's passes.
+    from tplib.schedule.asynchronous import ASYNC_SCHEDULES
+
+    known = sorted(SCHEDULES) + sorted(ASYNC_SCHEDULES)
+    if name not in known:
+        raise ValueError(f"unknown schedule {name!r}: known schedules are {known}")
+    if vertical_sync and name != "pipedream":
+        raise ValueError(
+            f"vertical_sync=True with schedule {name!r}: vertical sync chooses among the "
+            "weight versions PipeDream stashes; only 'pipedream' has versions to choose from"
+        )
+    if name in ASYNC_SCHEDULES:
+        options = {"vertical_sync": True} if vertical_sync else {}
+        schedule = ASYNC_SCHEDULES[name](n_stages, plan, n_iterations, **options)
+    else:
+        schedule = SCHEDULES[name](n_stages, plan)
+    if check:
+        validate(schedule)
     return schedule

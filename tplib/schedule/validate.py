@@ -2,10 +2,14 @@
 
 :func:`validate` raises :class:`~tplib.schedule.ScheduleError` unless a schedule is
 complete (every stage runs every unit forward and backward once, with the sends and
-receives its neighbours need, and ends with its update ``AR``, ``OPT``), respects every
-dependency (a sequence's token slices run forward first to last and backward last to
-first, through the K/V context), matches sends and receives in FIFO order on every
-link, and cannot deadlock. Each error prints the grid with the faulty action marked.
+receives its neighbours need, and updates once per iteration: a synchronous schedule
+ends with ``AR``, ``OPT``), respects every dependency (a sequence's token slices run
+forward first to last and backward last to first, through the K/V context), matches
+sends and receives in FIFO order on every link, and cannot deadlock. An asynchronous
+schedule's forwards and backwards must also name weight versions consistently: a unit's
+forward and backward, and all token slices of a sequence, on one version that its stage
+has already made; and each update must apply exactly its own iteration's gradients.
+Each error prints the grid with the faulty action marked.
 
 :func:`replay` times a valid schedule under given action durations: the engine of the
 simulator and of the grid.
@@ -17,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import COMPUTE, SENDS, UPDATE, Action, Kind, Schedule
+from tplib.schedule.actions import COMPUTE, NO_VERSION, SENDS, UPDATE, Action, Kind, Schedule
 from tplib.schedule.engine import Link, TimedAction, link_of, run
 from tplib.schedule.grid import SERVES, schedule_error, unit_cost
 
@@ -80,6 +84,8 @@ def _check_counts(schedule: Schedule) -> None:
                     [(k, i)],
                     f"{a} on stage {k} talks to a {side} stage, but stage {k} of {n} has none",
                 )
+            if a.kind in UPDATE and schedule.asynchronous:
+                continue  # one per iteration: _check_updates counts them
             if (a.kind, a.unit) in seen:
                 raise schedule_error(
                     schedule,
@@ -101,16 +107,93 @@ def _check_counts(schedule: Schedule) -> None:
                         f"stage {k} lacks {want}: every stage needs "
                         f"{', '.join(kinds)} for every unit of the plan",
                     )
+        if schedule.asynchronous:
+            _check_updates(schedule, k)
+            continue
         ends = tuple(a.kind for a in acts[-2:])
-        if ends != (Kind.AR, Kind.OPT):
+        n_updates = sum(a.kind is Kind.OPT for a in acts)
+        if ends != (Kind.AR, Kind.OPT) or n_updates != 1 or schedule.n_iterations != 1:
             last = [(k, len(acts) - 1)] if acts else []
             raise schedule_error(
                 schedule,
                 last,
-                f"stage {k} must end with AR, OPT: a synchronous schedule all-reduces the "
-                "gradients and steps the optimizer once, after every other action of the "
-                "iteration (add them with add_update)",
+                f"stage {k} must end with AR, OPT, its only update: a synchronous schedule "
+                "all-reduces the gradients and steps the optimizer once, after every other "
+                "action of its one iteration (add them with add_update); a schedule that "
+                "updates while units are in flight names each unit's weight version",
             )
+
+
+def _check_updates(schedule: Schedule, k: int) -> None:
+    """Stage k of an asynchronous schedule: one ``AR``, ``OPT`` per iteration, update i
+    after iteration i's last backward and before iteration i+1's first (the gradients
+    accumulate in one buffer), every forward and backward on a version, and a version
+    only once the stage has made it (``v`` updates done)."""
+    acts = schedule.actions[k]
+    last_backward: dict[int, int] = {}  # iteration -> index of its last backward here
+    for i, a in enumerate(acts):
+        if a.kind is Kind.B:
+            last_backward[schedule.iteration_of(a.b)] = i
+    made = 0  # updates done so far
+    for i, a in enumerate(acts):
+        if a.kind is Kind.OPT:
+            if i == 0 or acts[i - 1].kind is not Kind.AR:
+                raise schedule_error(
+                    schedule, [(k, i)], f"OPT #{made} on stage {k} must follow its AR directly"
+                )
+            j = last_backward.get(made, -1)
+            if j > i:
+                raise schedule_error(
+                    schedule,
+                    [(k, i), (k, j)],
+                    f"update #{made} on stage {k} runs before {acts[j]} of its iteration "
+                    f"{made}: an update applies its whole iteration's gradients",
+                )
+            made += 1
+        elif a.kind is Kind.B and schedule.iteration_of(a.b) != made:
+            raise schedule_error(
+                schedule,
+                [(k, i)],
+                f"{a} on stage {k} belongs to iteration {schedule.iteration_of(a.b)} but comes "
+                f"after {made} updates: iteration i's backwards run between updates i-1 and "
+                "i, whose gradients accumulate in one buffer",
+            )
+        if a.kind in COMPUTE:
+            if a.v == NO_VERSION:
+                raise schedule_error(
+                    schedule,
+                    [(k, i)],
+                    f"{a} on stage {k} names no weight version, but other actions do: in a "
+                    "schedule that updates while units are in flight, every forward and "
+                    "backward names the version it uses",
+                )
+            if a.v > made:
+                raise schedule_error(
+                    schedule,
+                    [(k, i)],
+                    f"{a} on stage {k} uses weight version {a.v}, but the stage has made only "
+                    f"{made} updates there (versions 0..{made})",
+                )
+    if made != schedule.n_iterations:
+        raise schedule_error(
+            schedule,
+            [(k, len(acts) - 1)] if acts else [],
+            f"stage {k} updates {made} times over {schedule.n_iterations} iterations: an "
+            "asynchronous schedule updates once per iteration",
+        )
+    first: dict[int, int] = {}  # each batch slice's version: the same for all its actions
+    for i, a in enumerate(acts):
+        if a.kind in COMPUTE:
+            v = first.setdefault(a.b, a.v)
+            if a.v != v:
+                j = next(j for j, c in enumerate(acts) if c.kind in COMPUTE and c.b == a.b)
+                raise schedule_error(
+                    schedule,
+                    [(k, j), (k, i)],
+                    f"{a} on stage {k} uses version {a.v} but {acts[j]} used {v}: a unit's "
+                    "forward and backward, and all token slices of a sequence, share one "
+                    "weight version",
+                )
 
 
 _KV_FORWARD = "a token slice's forward needs the K/V context of the slice before it"
@@ -142,14 +225,14 @@ def _needs(a: Action, plan: Plan, n_stages: int) -> Iterator[tuple[Action, str]]
 
 def _check_order(schedule: Schedule) -> None:
     for k, acts in enumerate(schedule.actions):
-        seen: set[Action] = set()
+        seen: set[tuple[Kind, int, int]] = set()  # what ran, whatever its version
         for i, a in enumerate(acts):
             for need, why in _needs(a, schedule.plan, schedule.n_stages):
-                if need not in seen:
+                if (need.kind, need.b, need.t) not in seen:
                     raise schedule_error(
                         schedule, [(k, i)], f"{a} on stage {k} runs before {need}: {why}"
                     )
-            seen.add(a)
+            seen.add((a.kind, a.b, a.t))
 
 
 def _check_fifo(schedule: Schedule) -> None:
