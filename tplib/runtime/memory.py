@@ -293,10 +293,18 @@ class StageMemory:
     contexts: int
     activations_peak: int
     source: str
+    stashed: int = 0  # older weight versions an asynchronous schedule kept, at their peak
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.contexts + self.activations_peak
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.contexts
+            + self.activations_peak
+            + self.stashed
+        )
 
     @classmethod
     def counted(
@@ -306,6 +314,7 @@ class StageMemory:
         *,
         optimizer_state_bytes: int = 0,
         contexts: Iterable[Tensor] = (),
+        stashed: int = 0,
     ) -> StageMemory:
         """The static parts of ``module`` now, with ``meter``'s peak as activations."""
         return cls(
@@ -315,6 +324,7 @@ class StageMemory:
             contexts=storage_bytes(contexts),
             activations_peak=meter.peak,
             source="counted",
+            stashed=stashed,
         )
 
     @classmethod
@@ -325,12 +335,13 @@ class StageMemory:
         *,
         optimizer_state_bytes: int = 0,
         contexts: Iterable[Tensor] = (),
+        stashed: int = 0,
     ) -> StageMemory:
         """The static parts of ``module`` now, with the rest of CUDA's peak as activations."""
         peak = cuda_peak(device)
         params, grads = parameter_bytes(module), gradient_bytes(module)
         context = storage_bytes(contexts)
-        rest = peak - (params + grads + optimizer_state_bytes + context)
+        rest = peak - (params + grads + optimizer_state_bytes + context + stashed)
         return cls(
             params=params,
             grads=grads,
@@ -338,4 +349,5 @@ class StageMemory:
             contexts=context,
             activations_peak=max(0, rest),
             source="allocator",
+            stashed=stashed,
         )

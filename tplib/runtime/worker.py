@@ -360,12 +360,17 @@ class Worker:
             else [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
         )
         state = self.update.optimizer.state_bytes()
+        stashed = 0 if self.versions is None else self.versions.stash_bytes_peak
         if self.device.type == "cuda":
             return StageMemory.allocator(
-                self.stage, self.device, optimizer_state_bytes=state, contexts=buffers
+                self.stage,
+                self.device,
+                optimizer_state_bytes=state,
+                contexts=buffers,
+                stashed=stashed,
             )
         return StageMemory.counted(
-            self.stage, self.meter, optimizer_state_bytes=state, contexts=buffers
+            self.stage, self.meter, optimizer_state_bytes=state, contexts=buffers, stashed=stashed
         )
 
     def train(self) -> RankResult:
