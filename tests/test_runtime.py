@@ -255,6 +255,7 @@ def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
         "kind",
         "b",
         "t",
+        "v",
         "start",
         "end",
     ]

@@ -122,13 +122,15 @@ def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
 
 # The command that starts one run; {python}, {nodes}, {nproc}, {config} and {out} are
 # filled in. "srun": one torchrun per node of the current SLURM allocation; "local": one
-# torchrun on this machine (a single node, or a scaled-down run).
+# torchrun on this machine (a single node, or a scaled-down run). The first host is taken
+# with sed, which reads all of scontrol's output: head would close the pipe early, and
+# under pipefail scontrol's SIGPIPE (exit 141) would fail the job script at random.
 LAUNCHERS = {
     "srun": (
         "srun --kill-on-bad-exit=1 --nodes {nodes} --ntasks-per-node 1 {python} -m "
         "torch.distributed.run --nnodes {nodes} --nproc-per-node {nproc} "
         "--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint "
-        '"$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)":29500 '
+        '"$(scontrol show hostnames $SLURM_JOB_NODELIST | sed -n 1p)":29500 '
         "-m tplib.runtime.torchrun --config {config} --out {out}"
     ),
     "local": (
