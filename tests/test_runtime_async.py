@@ -182,3 +182,11 @@ def test_bad_input_is_refused_before_any_work() -> None:
         RunConfig(schedule="2bw", vertical_sync=True, n_stages=2, batch=2, seq_len=16)
     with pytest.raises(ValueError, match=r"grad_clip=1\.0: clipping to the global gradient norm"):
         RunConfig(schedule="2bw", n_stages=2, batch=2, seq_len=16, grad_clip=1.0)
+
+
+def test_text_data_trains_the_same_rule(pools: Callable[[int], LocalPool]) -> None:
+    # Byte-level text of the standard library, as the statistical-efficiency runs use.
+    run = _config("2bw", 2, data="stdlib", model_overrides=(("vocab_size", 256),))
+    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    _check(run, result, "2bw")
+    assert result.losses[0] > result.losses[-1]  # text, unlike random ids, is learnable
