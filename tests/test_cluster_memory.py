@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tplib.cluster import ClusterCostModel, memory_per_gpu
-from tplib.cluster.memory import peak_in_flight
-from tplib.config import get_config, n_params_per_layer
+from tplib.cluster.memory import peak_in_flight, schedule_memory_per_gpu, stage_memory_on_cluster
+from tplib.config import GPTConfig, get_config, n_params_per_layer
 from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
 from tplib.runtime import LocalPool, RunConfig, RunResult
 from tplib.runtime.benchmark import modelled_memory
-from tplib.schedule import Action, Kind
+from tplib.schedule import Action, Kind, make_schedule
 
 
 def test_paper_plans_fit_and_slicing_saves_scores() -> None:
@@ -99,6 +99,69 @@ def test_peak_in_flight_adds_the_unit_rebuilt_during_its_backward() -> None:
     # A large kept set beats the rebuilt one: B t2 with kept 100 each: 300 + 5.
     big = {u: 100.0 for u in inputs}
     assert peak_in_flight(actions, big.__getitem__, rebuilt.__getitem__) == 305.0
+
+
+# ---- any schedule on the cluster: weight versions and units in flight ----------------------
+
+# One layer per stage on K = 2, hidden 8, 2 heads, #Op 1. By hand:
+# parameters per layer 12 h^2 + 13 h = 768 + 104 = 872; states 20 B each = 17440 B, and an
+# extra weight version is an fp16 copy, 2 B each = 1744 B.
+# Activations per token 8 hidden x 2 B x (5 + 12) = 272 B, per score 2 heads x 6 B = 12 B.
+# A whole 16-token sequence keeps 16 x 272 + 16 x 16 x 12 = 4352 + 3072 = 7424 B; its
+# input alone 16 x 8 x 2 = 256 B. Halves of 8 tokens: the first 8 x 272 + 8 x 8 x 12 =
+# 2944 B, the second (context 8) 2176 + 8 x 16 x 12 = 3712 B.
+TOY = GPTConfig("toy", n_layer=2, hidden=8, n_head=2, seq_len=16)
+STATES, VERSION, SEQUENCE, INPUT = 17440.0, 1744.0, 7424.0, 256.0
+RESERVE = 2 * 2**30
+
+
+def _stage(name: str, plan: Plan, stage: int, recompute: str = "none", **kw: int) -> float:
+    sched = make_schedule(name, 2, plan, **kw)  # type: ignore[arg-type]
+    m = stage_memory_on_cluster(TOY, sched, stage, n_op=1, recompute=recompute)
+    return m.total - RESERVE
+
+
+def test_schedule_memory_by_hand() -> None:
+    one, four = Plan.gpipe(1, 16), Plan.gpipe(4, 16)
+    # PipeDream: stage 0 holds two weight versions and two minibatches in flight; stage 1
+    # one of each.
+    assert _stage("pipedream", one, 0, n_iterations=6) == STATES + VERSION + 2 * SEQUENCE
+    assert _stage("pipedream", one, 1, n_iterations=6) == STATES + SEQUENCE
+    # ... with recomputation: two inputs kept, one sequence rebuilt in its backward.
+    got = _stage("pipedream", one, 0, "full", n_iterations=6)
+    assert got == STATES + VERSION + 2 * INPUT + SEQUENCE
+    # 2BW: two versions on every stage; GPipe keeps all four microbatches, 1F1B two.
+    assert _stage("2bw", four, 1, n_iterations=3) == STATES + VERSION + SEQUENCE
+    assert _stage("gpipe", four, 0) == STATES + 4 * SEQUENCE
+    assert _stage("1f1b", four, 0) == STATES + 2 * SEQUENCE
+    # Token slices under 1F1B, stage 0: F00 F01 F10 B01 F11 B00 B11 B10, at most two
+    # first halves and one second half alive: 2 x 2944 + 3712. Fill-drain keeps all four.
+    halves = Plan.uniform(2, 16, n_token_slices=2)
+    assert _stage("1f1b", halves, 0) == STATES + 2 * 2944 + 3712
+    assert _stage("terapipe", halves, 0) == STATES + 2 * (2944 + 3712)
+
+
+def test_schedule_memory_picks_the_worst_stage() -> None:
+    sched = make_schedule("pipedream", 2, Plan.gpipe(1, 16), n_iterations=6)
+    worst, stage = schedule_memory_per_gpu(TOY, sched, n_op=1)
+    assert stage == 0 and worst.total - RESERVE == STATES + VERSION + 2 * SEQUENCE
+
+
+def test_schedule_memory_of_fill_drain_is_memory_per_gpu() -> None:
+    """A fill-drain schedule keeps the whole minibatch: the schedule-aware model gives
+    what memory_per_gpu computes from the plan alone."""
+    s = SETTINGS[9]
+    tera = main_row(9, TERAPIPE).plan
+    sched = make_schedule("terapipe", s.n_stages, tera, check=False)
+    got, _ = schedule_memory_per_gpu(s.config, sched, n_op=s.n_op)
+    want = memory_per_gpu(s.config, n_stages=s.n_stages, n_op=s.n_op, plan=tera)
+    assert got.total == pytest.approx(want.total, rel=1e-12)
+    gpipe = make_schedule("gpipe", s.n_stages, s.gpipe_plan(), check=False)
+    got, _ = schedule_memory_per_gpu(s.config, gpipe, n_op=s.n_op, recompute="full")
+    want = memory_per_gpu(
+        s.config, n_stages=s.n_stages, n_op=s.n_op, plan=s.gpipe_plan(), recompute="full"
+    )
+    assert got.total == pytest.approx(want.total, rel=1e-12)
 
 
 # ---- the runtime memory model against measurement (local gloo processes) ----------------

@@ -26,6 +26,7 @@ SMALL = {
     "main_results": {"settings": [9, 10]},
     "dp_ablation": {"settings": [8]},
     "seqlen_sweep": {"seq_lens": [2048, 8192]},
+    "pipeline_systems": {"settings": [8]},
 }
 
 
@@ -95,14 +96,14 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert "resumed an interrupted run" in out.stdout
     assert "skip main_results (simulate): finished earlier in this run" in out.stdout
     assert first.stat().st_mtime_ns == ran_at  # not redone
-    for name in ("main_results", "dp_ablation", "seqlen_sweep"):
+    for name in ("main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems"):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
     assert (
         summary == out.stdout.split("\n", 2)[2].rstrip("\n") + "\n" or "# Reproduction" in summary
     )
     # Each table's reproduced rows equal the copy's committed ones.
-    assert summary.count("**Equal to the committed reference**") == 3, summary
+    assert summary.count("**Equal to the committed reference**") == 4, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
     assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
 
@@ -144,10 +145,10 @@ def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNote
     fake.fail.clear()
     report = reproduce("simulate", root=tmp_path, progress=False)
     assert report.resumed and [j.table for j in report.skipped] == ["main_results"]
-    assert fake.ran == ["main_results", "dp_ablation", "seqlen_sweep"]
+    assert fake.ran == ["main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems"]
     # A finished run starts anew: every job again.
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert not report.resumed and len(report.ran) == 3 and not report.skipped
+    assert not report.resumed and len(report.ran) == 4 and not report.skipped
 
 
 @pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
@@ -169,14 +170,19 @@ def test_anything_but_the_same_unfinished_run_starts_anew(
     if change == "outputs":
         assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
     else:
-        assert not report.resumed and not report.skipped and len(report.ran) == 3
+        assert not report.resumed and not report.skipped and len(report.ran) == 4
 
 
 def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
     reproduce("simulate", root=tmp_path, progress=False)
     state = json.loads((tmp_path / ".run.json").read_text())
     assert state["format"] == "tplib.run/1" and state["finished"]
-    assert [j["table"] for j in state["jobs"]] == ["main_results", "dp_ablation", "seqlen_sweep"]
+    assert [j["table"] for j in state["jobs"]] == [
+        "main_results",
+        "dp_ablation",
+        "seqlen_sweep",
+        "pipeline_systems",
+    ]
     assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
     hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
     assert hidden == [Path(".run.json")]  # no temporary file left behind, no reference here
@@ -187,13 +193,15 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("main_results", "simulate"),
         ("dp_ablation", "simulate"),
         ("seqlen_sweep", "simulate"),
+        ("pipeline_systems", "simulate"),
         ("main_results", "measure"),
         ("dp_ablation", "measure"),
         ("seqlen_sweep", "measure"),
         ("simulator_validation", "measure"),
+        ("pipeline_systems", "measure"),
     ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
-    assert per_mode[0].params == {"settings": [9]} and per_mode[3].params == {}
+    assert per_mode[0].params == {"settings": [9]} and per_mode[4].params == {}
     with pytest.raises(ValueError, match=r"mode='fast'"):
         default_jobs("fast")
     with pytest.raises(ValueError, match=r"unknown table 'table9'"):
@@ -252,7 +260,7 @@ def test_a_failed_summary_is_written_by_the_next_run(
         reproduce("simulate", root=tmp_path, progress=False)
     monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert report.resumed and len(report.skipped) == 3 and not report.ran
+    assert report.resumed and len(report.skipped) == 4 and not report.ran
     assert (tmp_path / "SUMMARY.md").read_text() == "summary\n"
 
 

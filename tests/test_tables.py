@@ -163,3 +163,4 @@ def test_every_table_names_its_paper_figure() -> None:
     assert get_table("seqlen_sweep").paper == "Figure 7 / Table 4"
     assert list(get_table("simulator_validation").modes) == ["measure"]
     assert get_table("simulator_validation").paper == "the method behind measure mode"
+    assert list(get_table("pipeline_systems").modes) == ["simulate", "measure"]

@@ -10,7 +10,8 @@ The package, one mechanism per module:
   its GPUs sit;
 - :mod:`~tplib.cluster.compute`: what one layer costs on one GPU;
 - :mod:`~tplib.cluster.cost`: :class:`ClusterCostModel`, stages and links on top;
-- :mod:`~tplib.cluster.memory`: peak memory per GPU (:func:`memory_per_gpu`);
+- :mod:`~tplib.cluster.memory`: peak memory per GPU (:func:`memory_per_gpu`; any schedule,
+  weight versions and units in flight: :func:`~tplib.cluster.memory.schedule_memory_per_gpu`);
 - :mod:`~tplib.cluster.fit`: :func:`fit_calibration`, which re-derives the fitted
   parameters from the paper's GPipe latencies only.
 """

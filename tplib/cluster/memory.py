@@ -15,6 +15,14 @@ recomputation (each unit keeps only its input; one unit's activations are rebuil
 time inside its backward), the precision's bytes per parameter, and the K/V context
 buffers. The runtime measures the same quantities (:mod:`tplib.runtime.memory`); the
 test suite holds the two within 10%.
+
+:func:`schedule_memory_per_gpu` prices any schedule on the cluster, synchronous or not
+(PipeDream, PipeDream-2BW; PipeDream-2BW paper §3.1 and §4.2.2): a stage holds
+``held_versions`` weight versions (:func:`tplib.schedule.asynchronous.held_versions`),
+each an extra fp16 copy of its weights while the master weights, gradients and Adam
+state stay single; and it keeps the activations of the units in flight at its peak, a
+maximum over the schedule (:func:`peak_in_flight`) rather than the whole minibatch. For
+a fill-drain schedule that is :func:`memory_per_gpu` again.
 """
 
 from __future__ import annotations
@@ -26,9 +34,16 @@ import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
-from tplib.config import GPTConfig, get_config, n_params_per_layer, stage_params
+from tplib.config import (
+    GPTConfig,
+    check_recompute,
+    get_config,
+    n_params_per_layer,
+    stage_params,
+)
 from tplib.plan import Plan, Unit
-from tplib.schedule import Action, Kind
+from tplib.schedule import Action, Kind, Schedule
+from tplib.schedule.asynchronous import held_versions
 
 __all__ = [
     "ACT_ELEMS",
@@ -40,7 +55,9 @@ __all__ = [
     "memory_per_gpu",
     "peak_in_flight",
     "runtime_inventory",
+    "schedule_memory_per_gpu",
     "stage_memory",
+    "stage_memory_on_cluster",
 ]
 
 # Weights and optimizer state per parameter in mixed precision: fp16 weights and grads,
@@ -123,6 +140,81 @@ def memory_per_gpu(
     else:
         acts = layers_per_stage * sum(t * per_token + sc * score_bytes for t, sc in units)
     return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
+
+
+def stage_memory_on_cluster(
+    model: GPTConfig | str,
+    schedule: Schedule,
+    stage: int,
+    *,
+    n_op: int,
+    recompute: str = "none",
+    versions: int | None = None,
+    calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+) -> MemoryEstimate:
+    """Memory of one GPU of ``stage`` running ``schedule`` in the paper's implementation
+    (see the module docstring). ``versions``: the weight versions it holds at once
+    (default: :func:`~tplib.schedule.asynchronous.held_versions` of the schedule); each
+    beyond the first adds an fp16 copy of the stage's weights. Activations: the most
+    bytes kept by units forwarded and not yet backwarded on the stage; with
+    ``recompute="full"`` a unit keeps only its input (fp16 hidden states) and its
+    activations are rebuilt, one unit at a time, inside its backward."""
+    check_recompute(recompute)
+    cfg = get_config(model) if isinstance(model, str) else model
+    plan = schedule.plan
+    layers = cfg.n_layer // schedule.n_stages
+    params = layers * n_params_per_layer(cfg) / n_op
+    held = held_versions(schedule)[stage] if versions is None else versions
+    states = STATE_BYTES * params + (held - 1) * FP16 * params
+    rep, part = ACT_ELEMS
+    per_token = cfg.hidden * FP16 * (rep + part / n_op)
+    score_bytes = cfg.n_head / n_op * ACT_SCORE_BYTES
+
+    def tokens(u: Unit) -> int:
+        return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
+
+    def full(u: Unit) -> float:  # everything the unit keeps on the stage's layers
+        end = plan.token_offset(u.b, u.t) + plan.token_slices[u.b][u.t]
+        return layers * (tokens(u) * per_token + tokens(u) * end * score_bytes)
+
+    actions = schedule.actions[stage]
+    if recompute == "full":
+        acts = peak_in_flight(actions, kept=lambda u: tokens(u) * cfg.hidden * FP16, rebuilt=full)
+    else:
+        acts = peak_in_flight(actions, kept=full)
+    return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
+
+
+def schedule_memory_per_gpu(
+    model: GPTConfig | str,
+    schedule: Schedule,
+    *,
+    n_op: int,
+    recompute: str = "none",
+    versions: Sequence[int] | None = None,
+    calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+) -> tuple[MemoryEstimate, int]:
+    """The GPU that needs the most memory running ``schedule``, and its stage: the
+    largest :func:`stage_memory_on_cluster` over the stages (``versions``: each stage's
+    held weight versions, when already counted)."""
+    held = held_versions(schedule) if versions is None else versions
+    per_stage = [
+        stage_memory_on_cluster(
+            model,
+            schedule,
+            k,
+            n_op=n_op,
+            recompute=recompute,
+            versions=held[k],
+            calibration=calibration,
+            hardware=hardware,
+        )
+        for k in range(schedule.n_stages)
+    ]
+    worst = max(range(len(per_stage)), key=lambda k: per_stage[k].total)
+    return per_stage[worst], worst
 
 
 # ---- tplib's runtime, stage by stage -------------------------------------------------------

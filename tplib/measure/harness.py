@@ -25,9 +25,10 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from tplib.config import GPTConfig, get_config
-from tplib.costs import Link
+from tplib.costs import ActionCosts, Link
 from tplib.machine import busy_cores, cpu_count, threads_per_process
 from tplib.measure.costs import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.options import Profiling
@@ -141,25 +142,31 @@ class Bench:
             eps=eps,
         )
 
-    def run(self, schedule: str, p: Plan) -> Measured:
-        """Run ``p`` as ``schedule`` on the pool, beside its simulation."""
+    def run(
+        self, schedule: str, p: Plan, *, costs: ActionCosts | None = None, **options: Any
+    ) -> Measured:
+        """Run ``p`` as ``schedule`` on the pool, beside its simulation with ``costs``
+        (default: the profiles' at ``p``'s length). ``options`` are further
+        :class:`~tplib.runtime.RunConfig` fields (``grad_clip``, ``recompute``, ...) or
+        replace its defaults (``steps``, ``warmup``)."""
         if self.pool is None:
             # Started after profiling: its processes' start-up would disturb the timings.
             self.pool = LocalPool(self.n_stages)
         # Started and idle before the other jobs' load is sampled, or it would count ours.
         self.pool.wait_ready()
-        run = RunConfig(
-            model=self.model,
-            model_overrides=self.overrides,
-            schedule=schedule,
-            n_stages=self.n_stages,
-            batch=p.batch,
-            seq_len=p.seq_len,
-            slicing=p,
-            steps=self.iters,
-            warmup=self.warmup,
-        )
-        costs = self.costs[p.seq_len]
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "model_overrides": self.overrides,
+            "schedule": schedule,
+            "n_stages": self.n_stages,
+            "batch": p.batch,
+            "seq_len": p.seq_len,
+            "slicing": p,
+            "steps": self.iters,
+            "warmup": self.warmup,
+        }
+        run = RunConfig(**(fields | options))
+        costs = costs or self.costs[p.seq_len]
         cores = cpu_count()
         before = busy_cores()
         if before + run.world_size > cores + 0.5:

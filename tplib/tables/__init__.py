@@ -7,6 +7,7 @@ table                      paper                  module
 ``dp_ablation``            Figure 6 / Table 3     :mod:`tplib.tables.dp_ablation`
 ``seqlen_sweep``           Figure 7 / Table 4     :mod:`tplib.tables.seqlen_sweep`
 ``simulator_validation``   (method)               :mod:`tplib.tables.validation`
+``pipeline_systems``       PipeDream-2BW §5       :mod:`tplib.tables.pipeline_systems`
 =========================  =====================  ======================================
 
 :func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
@@ -55,6 +56,7 @@ _MODULES = {
     "dp_ablation": "dp_ablation",
     "seqlen_sweep": "seqlen_sweep",
     "simulator_validation": "validation",
+    "pipeline_systems": "pipeline_systems",
 }
 TABLE_NAMES = tuple(_MODULES)
 
