@@ -1,9 +1,15 @@
-"""Shared test helpers: the exactness criterion used across the suite."""
+"""Shared test helpers: the exactness criterion used across the suite, and the local
+process pools the runtime tests share within a module."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+import pytest
 import torch
 from hypothesis import settings
+
+from tplib.runtime import LocalPool
 
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
@@ -21,3 +27,18 @@ def assert_scaled_close(
     assert err <= rel * max(scale, 1e-12), (
         f"{what}: max abs diff {err:.3e} > {rel} x scale {scale:.3e}"
     )
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Callable[[int], LocalPool]]:
+    """``pools(world)``: a pool of ``world`` local ranks, started once per test module."""
+    made: dict[int, LocalPool] = {}
+
+    def get(world: int) -> LocalPool:
+        if world not in made:
+            made[world] = LocalPool(world, timeout_s=60)
+        return made[world]
+
+    yield get
+    for pool in made.values():
+        pool.close()

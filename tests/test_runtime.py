@@ -18,7 +18,7 @@ constant rate, decay on every parameter), and the erf GELU runs each schedule.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -52,20 +52,6 @@ CASES = [
     for r in (1, 2)
     for i in range(len(plans))
 ]
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Callable[[int], LocalPool]]:
-    made: dict[int, LocalPool] = {}
-
-    def get(world: int) -> LocalPool:
-        if world not in made:
-            made[world] = LocalPool(world, timeout_s=60)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _config(

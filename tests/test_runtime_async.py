@@ -14,7 +14,7 @@ held at once: PipeDream K-k on stage k, with vertical sync K, 2BW 2, a flushed 1
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,20 +25,6 @@ from tplib.runtime import Hooks, LocalPool, RunConfig, RunResult, train_referenc
 
 SEQ_LEN = 16
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Callable[[int], LocalPool]]:
-    made: dict[int, LocalPool] = {}
-
-    def get(world: int) -> LocalPool:
-        if world not in made:
-            made[world] = LocalPool(world, timeout_s=60)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _plan(schedule: str, k: int, sliced: bool) -> Plan:
@@ -137,20 +123,12 @@ def test_matches_update_rule(
     _check(run, result, schedule)
 
 
+@pytest.mark.parametrize(("r", "n_op"), [(2, 1), (1, 2)], ids=["2 replicas", "#Op 2"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_data_parallel_matches_update_rule(
-    pools: Callable[[int], LocalPool], schedule: str
+def test_3d_layouts_match_update_rule(
+    pools: Callable[[int], LocalPool], schedule: str, r: int, n_op: int
 ) -> None:
-    run = _config(schedule, 2, sliced=True, r=2)
-    result = pools(run.world_size).run(run, Hooks(collect_params=True))
-    _check(run, result, schedule)
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_operation_partitioned_matches_update_rule(
-    pools: Callable[[int], LocalPool], schedule: str
-) -> None:
-    run = _config(schedule, 2, sliced=True, n_op=2)
+    run = _config(schedule, 2, sliced=True, r=r, n_op=n_op)
     result = pools(run.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, schedule)
 

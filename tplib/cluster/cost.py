@@ -82,7 +82,9 @@ class ClusterCostModel:
         self.blocking_sends = calibration.comm != "async"
 
     @classmethod
-    def for_setting(cls, s: Setting, calibration: Calibration = CALIBRATION) -> ClusterCostModel:
+    def for_setting(
+        cls, s: Setting, calibration: Calibration = CALIBRATION, recompute: str = "none"
+    ) -> ClusterCostModel:
         """The model of Table-1 setting ``s`` (its model, K, #Op, #Data and L)."""
         return cls(
             s.config,
@@ -91,6 +93,7 @@ class ClusterCostModel:
             n_data=s.n_data,
             seq_len=s.seq_len,
             calibration=calibration,
+            recompute=recompute,
         )
 
     def __repr__(self) -> str:

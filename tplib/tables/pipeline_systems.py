@@ -155,15 +155,7 @@ def infeasible(system: System, n_stages: int, plan: Plan) -> str:
 
 
 def _cost(s: Setting, recompute: str, calibration: Calibration) -> ClusterCostModel:
-    return ClusterCostModel(
-        s.config,
-        n_stages=s.n_stages,
-        n_op=s.n_op,
-        n_data=s.n_data,
-        seq_len=s.seq_len,
-        calibration=calibration,
-        recompute=recompute,
-    )
+    return ClusterCostModel.for_setting(s, calibration, recompute=recompute)
 
 
 def _paper_tflops(n: int, system: str) -> float:
