@@ -45,10 +45,7 @@ def training_batch(
                 f"data='stdlib' is bytes (256 token ids) but the model's vocab_size is "
                 f"{cfg.vocab_size}: override vocab_size to at least 256"
             )
-        if seq_len > cfg.seq_len:
-            raise ValueError(
-                f"seq_len={seq_len} exceeds the model's context of {cfg.seq_len} tokens"
-            )
+        _check_length(cfg, seq_len)
         from tplib.corpus import corpus_batch  # reads the sources on first use
 
         return corpus_batch(batch, seq_len, seed)
@@ -59,10 +56,14 @@ def synthetic_batch(
     cfg: GPTConfig, batch: int, seq_len: int, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
     """``(tokens, targets)`` of shape ``(batch, seq_len)``; targets are tokens shifted by one."""
+    _check_length(cfg, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _check_length(cfg: GPTConfig, seq_len: int) -> None:
     if seq_len > cfg.seq_len:
         raise ValueError(
             f"seq_len={seq_len} exceeds the model's context of {cfg.seq_len} tokens (GPTConfig.seq_len)"
         )
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

@@ -324,10 +324,9 @@ class Worker:
     def _trace(self, index: int, action: Action, start: float, t0: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.asynchronous:  # the iteration the unit (or update) belongs to
-            index = self.updates - 1 if action.b < 0 else self.schedule.iteration_of(action.b)
-            if action.kind is Kind.AR:
-                index = self.updates
+        if self.asynchronous:  # the unit's iteration; an update's (OPT has just counted)
+            done = self.updates - (action.kind is Kind.OPT)
+            index = self.schedule.iteration_of(action.b) if action.b >= 0 else done
         self.result.trace.append(
             (
                 self.rank,

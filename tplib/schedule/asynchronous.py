@@ -62,6 +62,12 @@ def _backward(plan: Plan, b: int) -> Order:
     return [(Kind.B, Unit(b, t)) for t in reversed(range(plan.n_token_slices(b)))]
 
 
+def _ends_iteration(kind: Kind, u: Unit, m: int) -> bool:
+    """Whether ``kind`` on ``u`` is its iteration's last backward, which the update follows
+    (backwards go batch slice by batch slice, each one's token slices last to first)."""
+    return kind is Kind.B and u.t == 0 and (u.b + 1) % m == 0
+
+
 def _versions(
     orders: Sequence[Order], m: int, rule: Callable[[int, int, int], int]
 ) -> list[dict[int, int]]:
@@ -75,7 +81,7 @@ def _versions(
         for kind, u in order:
             if kind is Kind.F and u.b not in versions:
                 versions[u.b] = rule(k, u.b // m, done)
-            if kind is Kind.B and u.t == 0 and (u.b + 1) % m == 0:
+            if _ends_iteration(kind, u, m):
                 done += 1
         out.append(versions)
     return out
@@ -97,7 +103,7 @@ def _build(
         acts: list[Action] = []
         for kind, u in order:
             acts.append(Action(kind, k, u.b, u.t, versions[k][u.b]))
-            if kind is Kind.B and u.t == 0 and (u.b + 1) % m == 0:
+            if _ends_iteration(kind, u, m):
                 acts += [Action(Kind.AR, k), Action(Kind.OPT, k)]
         stages.append(tuple(acts))
     return add_communication(Schedule(name, n_stages, plan, tuple(stages), n_iterations))
@@ -161,20 +167,13 @@ def min_microbatches(n_stages: int, token_slices: tuple[int, ...]) -> int:
     """The fewest microbatches per iteration (each cut into ``token_slices``) with which
     every forward of 2BW's 1F1B order finds its version already made on its stage."""
     for m in range(1, 4 * n_stages + len(token_slices) + 2):
-        # Three iterations exercise the steady state: iteration 2 needs version 1.
+        # Three iterations exercise the steady state: iteration 2 needs version 1. A
+        # sequence's later token slices run after its first, on as many updates or more,
+        # so the first forward of each batch slice decides.
         units = Plan((1,) * (3 * m), (token_slices,) * (3 * m))
-        ok = True
-        for k in range(n_stages):
-            done = 0
-            for kind, u in one_f_one_b_order(k, n_stages, units):
-                if kind is Kind.F and max(u.b // m - 1, 0) > done:
-                    ok = False
-                    break
-                if kind is Kind.B and u.t == 0 and (u.b + 1) % m == 0:
-                    done += 1
-            if not ok:
-                break
-        if ok:
+        orders = [one_f_one_b_order(k, n_stages, units) for k in range(n_stages)]
+        made = _versions(orders, m, lambda k, i, done: done)  # updates before each entered
+        if all(max(b // m - 1, 0) <= v for stage in made for b, v in stage.items()):
             return m
     raise AssertionError("1F1B keeps a bounded number of units in flight")  # pragma: no cover
 
