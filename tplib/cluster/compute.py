@@ -20,6 +20,9 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
   over NVLink, a ring (:func:`~tplib.costs.ring_allreduce`) plus ``collective_latency``.
 
+:func:`embedding_times` and :func:`head_times` price the two ends of the model the
+same way, for the planners that partition the whole chain (:mod:`tplib.partition`).
+
 The host floor (paper Fig. 3) and everything about stages and links is applied on top
 by :class:`~tplib.cluster.cost.ClusterCostModel`.
 """
@@ -29,11 +32,18 @@ from __future__ import annotations
 import numpy as np
 
 from tplib.cluster.calibration import Calibration
-from tplib.cluster.hardware import FP16, Hardware
+from tplib.cluster.hardware import FP16, FP32, Hardware
 from tplib.config import GPTConfig, n_params_per_layer
 from tplib.costs import ring_allreduce
 
-__all__ = ["gemm_time", "hbm_rate", "layer_times", "nvlink_bus"]
+__all__ = [
+    "embedding_times",
+    "gemm_time",
+    "hbm_rate",
+    "head_times",
+    "layer_times",
+    "nvlink_bus",
+]
 
 # Memory traffic of the memory-bound kernels, bytes per element (counted from the reads
 # and writes of a plain PyTorch layer; the backward does about twice the forward).
@@ -48,6 +58,9 @@ SCORE_BYTES_BWD = 32.0
 # 5 bytes; the backward reads the gradient and the mask and writes (also 5 bytes).
 DROPOUT_TOKEN_ELEMS = 2 * 2.5
 DROPOUT_SCORE_BYTES = 5.0
+# The loss per logit: write the fp16 logit, read it into an fp32 softmax (write 4), read
+# that for the loss.
+LOGIT_BYTES = FP16 + FP16 + FP32 + FP32
 
 
 def hbm_rate(cal: Calibration, hw: Hardware) -> float:
@@ -140,3 +153,46 @@ def layer_times(
         + kv_grad
     )
     return fwd, bwd
+
+
+def embedding_times(
+    cfg: GPTConfig, n_op: int, tokens: float, *, cal: Calibration, hw: Hardware
+) -> tuple[float, float]:
+    """GPU seconds of the embeddings' (forward, backward) for ``tokens`` tokens on one GPU
+    of an ``n_op`` group: memory-bound. Forward reads a word row and a position row and
+    writes their sum per token (dropout reads and writes it again and writes a mask);
+    with #Op > 1 the vocabulary-parallel lookup all-reduces the output. Backward adds the
+    output gradient into the word and position gradient rows (read, read, write)."""
+    hbm, elems = hbm_rate(cal, hw), tokens * cfg.hidden
+    fwd = elems * FP16 * (3 + (DROPOUT_TOKEN_ELEMS / 2 if cfg.dropout else 0)) / hbm
+    bwd = elems * FP16 * 2 * 3 / hbm
+    if n_op > 1:
+        ring = ring_allreduce(FP16 * elems, n_op, nvlink_bus(cal, hw))
+        fwd += float(ring) + cal.collective_latency
+    return float(fwd), float(bwd)
+
+
+def head_times(
+    cfg: GPTConfig, n_op: int, tokens: float, *, cal: Calibration, hw: Hardware
+) -> tuple[float, float]:
+    """GPU seconds of the final LayerNorm, LM head and cross-entropy's (forward,
+    backward) for ``tokens`` tokens on one GPU of an ``n_op`` group. The head is a
+    (tokens x H) @ (H x V / #Op) product (vocabulary-parallel); the loss writes the fp16
+    logits, then an fp32 softmax (read 2, write 4, read 4 for the loss: :data:`LOGIT_BYTES`
+    per logit), with two small all-reduces per token over #Op. Backward: the two products
+    of the head and the softmax gradient (read 4, write 2), and the LayerNorm's."""
+    hbm, h = hbm_rate(cal, hw), cfg.hidden
+    vocab = -(-cfg.vocab_size // n_op)
+    logits = tokens * vocab
+    norm = tokens * h * FP16 * 3 / hbm  # LayerNorm: read, write, and the residual read
+    fwd = gemm_time(tokens, vocab, h, cal=cal, hw=hw) + logits * LOGIT_BYTES / hbm + norm
+    bwd = (
+        gemm_time(tokens, h, vocab, cal=cal, hw=hw)
+        + gemm_time(h, vocab, tokens, cal=cal, hw=hw)
+        + logits * (FP32 + FP16) / hbm
+        + 2 * norm
+    )
+    if n_op > 1:
+        small = ring_allreduce(FP32 * tokens, n_op, nvlink_bus(cal, hw))
+        fwd = fwd + 2 * (small + cal.collective_latency)
+    return float(fwd), float(bwd)

@@ -149,11 +149,18 @@ class ClusterCostModel:
         """Compute seconds of one stage (N/K layers) for a slice: (forward, backward),
         without the broadcast of received tensors inside the #Op group. With full
         recomputation the backward runs the forward again first."""
+        fwd, bwd = self.layer_seconds(batch_slice_size, length, context)
+        fwd, bwd = self.layers_per_stage * fwd, self.layers_per_stage * bwd
+        return fwd, bwd + fwd if self.recompute == "full" else bwd
+
+    def layer_seconds(
+        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's (forward, backward) seconds inside a stage: its GPU time, never
+        below the host floor (backward: ``backward_floor`` x the floor)."""
         fwd, bwd = self.layer_times(batch_slice_size, length, context)
         floor = self.host_floor
-        fwd = self.layers_per_stage * np.maximum(fwd, floor)
-        bwd = self.layers_per_stage * np.maximum(bwd, self.cal.backward_floor * floor)
-        return fwd, bwd + fwd if self.recompute == "full" else bwd
+        return np.maximum(fwd, floor), np.maximum(bwd, self.cal.backward_floor * floor)
 
     def _op_broadcast(self, nbytes: np.ndarray) -> np.ndarray:
         if self.n_op == 1:

@@ -52,6 +52,7 @@ __all__ = [
     "STATE_BYTES",
     "Inventory",
     "MemoryEstimate",
+    "activation_rates",
     "memory_per_gpu",
     "peak_in_flight",
     "runtime_inventory",
@@ -109,7 +110,7 @@ class MemoryEstimate:
         )
 
 
-def _activation_rates(cfg: GPTConfig, n_op: int) -> tuple[float, float]:
+def activation_rates(cfg: GPTConfig, n_op: int) -> tuple[float, float]:
     """Bytes one layer keeps per token (the hidden-size activations, the partitioned ones
     split over #Op) and per attention score (token x context position), on one GPU."""
     rep, part = ACT_ELEMS
@@ -133,7 +134,7 @@ def memory_per_gpu(
     cfg = get_config(model) if isinstance(model, str) else model
     layers_per_stage = cfg.n_layer // n_stages
     states = STATE_BYTES * layers_per_stage * n_params_per_layer(cfg) / n_op
-    per_token, score_bytes = _activation_rates(cfg, n_op)
+    per_token, score_bytes = activation_rates(cfg, n_op)
     units = []  # (tokens, attention scores) of each unit
     for size, slices in zip(plan.batch_slices, plan.token_slices, strict=True):
         s = np.asarray(slices, dtype=float)
@@ -172,7 +173,7 @@ def stage_memory_on_cluster(
     params = layers * n_params_per_layer(cfg) / n_op
     held = held_versions(schedule)[stage] if versions is None else versions
     states = STATE_BYTES * params + (held - 1) * FP16 * params
-    per_token, score_bytes = _activation_rates(cfg, n_op)
+    per_token, score_bytes = activation_rates(cfg, n_op)
 
     def tokens(u: Unit) -> int:
         return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
