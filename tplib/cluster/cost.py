@@ -260,13 +260,16 @@ class ClusterCostModel:
 
     def allreduce(self, stage: int) -> float:
         """Data-parallel ring all-reduce of the stage's fp16 gradients over #Data
-        replicas, each on another node; the 8 GPUs of a node share its link."""
+        replicas: over NVLink when they all share a node, else over the network, whose
+        link the 8 GPUs of a node share."""
         n = self.n_data
         if n == 1:
             return 0.0
         params = self.stage_params(stage)
         grads = FP16 * params
-        if self.node_of(stage, replica=0) == self.node_of(stage, replica=1):
+        # One node only if every replica of the stage sits in it; a ring that leaves the
+        # node is held to the network, whose link the node's GPUs share.
+        if len({self.node_of(stage, replica=r) for r in range(n)}) == 1:
             wire = ring_allreduce(grads, n, self._nvlink_bus, self.cal.collective_latency)
         else:
             share = self.cal.allreduce_efficiency * self.hw.network / self.hw.gpus_per_node

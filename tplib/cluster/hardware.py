@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FP16", "FP32", "P3_16XLARGE", "Hardware"]
+__all__ = ["CLUSTERS", "FP16", "FP32", "P3_16XLARGE", "Hardware"]
 
 FP16, FP32 = 2, 4  # bytes per element
 
@@ -47,3 +47,6 @@ class Hardware:
 
 
 P3_16XLARGE = Hardware()
+
+# The clusters a layout search can price, by instance name.
+CLUSTERS: dict[str, Hardware] = {"p3.16xlarge": P3_16XLARGE}
