@@ -187,6 +187,8 @@ assert "torch" not in sys.modules, "import tplib loaded torch"
 from tplib.cli import main
 assert main(["plan", "--setting", "10", "--json"]) == 0
 assert main(["simulate", "--setting", "10", "--json"]) == 0
+assert main(["autoplan", "--model", "GPT3-175B", "--gpus", "384", "--batch", "2"]) == 0
+assert main(["partition", "--planner", "2bw", "--model", "GPT3-1B", "--batch", "8"]) == 0
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

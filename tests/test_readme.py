@@ -49,3 +49,25 @@ def test_readme_layout_table_matches_the_package() -> None:
             named = set(re.findall(r"`(\w+)\.py`", text))
             modules = {p.stem for p in (ROOT / path).glob("*.py") if p.stem != "__init__"}
             assert named == modules, path
+
+
+def test_readme_layout_search_table_matches_the_committed_results() -> None:
+    csv = pd.read_csv(ROOT / "results/layout_search/layout_search-simulate.csv")
+    csv = csv.set_index("setting")
+    rows = re.findall(
+        r"^\| \((\d+)\) \| (\S+) \| (\d+) x (\d+) x (\d+) \| ([\d.]+) \| ([\d.]+) \| "
+        r"(\d+) x (\d+) x (\d+)( \+recompute)? \| ([\d.]+) \| ([\d.]+) \|$",
+        (ROOT / "README.md").read_text(),
+        flags=re.MULTILINE,
+    )
+    assert len(rows) == len(csv) == 10
+    for setting, model, d, k, op, measured, theirs, bd, bk, bop, rc, ours, gain in rows:
+        r = csv.loc[int(setting)]
+        assert model == r.model
+        assert r.paper_layout == f"#Data={d} x #Pipe={k} x #Op={op}"
+        assert float(measured) == round(r.paper_latency_terapipe, 3)
+        assert float(theirs) == round(r.latency_paper_layout, 3)
+        assert (int(bd), int(bk), int(bop)) == (r.best_n_data, r.best_n_stages, r.best_n_op)
+        assert bool(rc) == (r.best_recompute == "full")
+        assert float(ours) == round(r.latency_best, 3)
+        assert float(gain) == round(r.speedup_over_paper_layout, 2)

@@ -27,6 +27,7 @@ SMALL = {
     "dp_ablation": {"settings": [8]},
     "seqlen_sweep": {"seq_lens": [2048, 8192]},
     "pipeline_systems": {"settings": [8]},
+    "layout_search": {"settings": [10]},
 }
 
 
@@ -96,7 +97,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert "resumed an interrupted run" in out.stdout
     assert "skip main_results (simulate): finished earlier in this run" in out.stdout
     assert first.stat().st_mtime_ns == ran_at  # not redone
-    for name in ("main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems"):
+    for name in ("main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems", "layout_search"):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
     assert (
@@ -145,10 +146,16 @@ def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNote
     fake.fail.clear()
     report = reproduce("simulate", root=tmp_path, progress=False)
     assert report.resumed and [j.table for j in report.skipped] == ["main_results"]
-    assert fake.ran == ["main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems"]
+    assert fake.ran == [
+        "main_results",
+        "dp_ablation",
+        "seqlen_sweep",
+        "pipeline_systems",
+        "layout_search",
+    ]
     # A finished run starts anew: every job again.
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert not report.resumed and len(report.ran) == 4 and not report.skipped
+    assert not report.resumed and len(report.ran) == 5 and not report.skipped
 
 
 @pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
@@ -170,7 +177,7 @@ def test_anything_but_the_same_unfinished_run_starts_anew(
     if change == "outputs":
         assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
     else:
-        assert not report.resumed and not report.skipped and len(report.ran) == 4
+        assert not report.resumed and not report.skipped and len(report.ran) == 5
 
 
 def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
@@ -182,6 +189,7 @@ def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks)
         "dp_ablation",
         "seqlen_sweep",
         "pipeline_systems",
+        "layout_search",
     ]
     assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
     hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
@@ -194,6 +202,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("dp_ablation", "simulate"),
         ("seqlen_sweep", "simulate"),
         ("pipeline_systems", "simulate"),
+        ("layout_search", "simulate"),
         ("main_results", "measure"),
         ("dp_ablation", "measure"),
         ("seqlen_sweep", "measure"),
@@ -201,7 +210,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("pipeline_systems", "measure"),
     ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
-    assert per_mode[0].params == {"settings": [9]} and per_mode[4].params == {}
+    assert per_mode[0].params == {"settings": [9]} and per_mode[5].params == {}
     with pytest.raises(ValueError, match=r"mode='fast'"):
         default_jobs("fast")
     with pytest.raises(ValueError, match=r"unknown table 'table9'"):

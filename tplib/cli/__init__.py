@@ -7,6 +7,9 @@ command        what it does
 ``plan``       the DP planner on a saved profile or a paper setting, beside the best
                uniform slicing
 ``simulate``   a paper setting with and without TeraPipe on the simulated V100 cluster
+``autoplan``   search TeraPipe's whole layout (#Data, #Pipe, #Op, recomputation, plan)
+               for a model, a GPU count and a batch
+``partition``  the planners of GPipe, PipeDream and PipeDream-2BW on a model's layers
 ``bench``      train iterations of a schedule on local processes: latency, overhead and
                each stage's peak memory beside the memory model's
 ``run``        write the torchrun config of a Table-1 setting and print how to launch it
@@ -25,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.planning import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
@@ -75,6 +79,33 @@ def _add_plan_and_simulate(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--eps", type=float, default=1e-4, help="t_max tolerance, s")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=simulate_command)
+
+
+def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("autoplan", help="search TeraPipe's layout for a model, GPUs and batch")
+    p.add_argument("--model", required=True, help="named config, e.g. GPT3-44B")
+    p.add_argument("--gpus", type=int, required=True, help="#GPUs = #Data x #Pipe x #Op")
+    p.add_argument("--batch", type=int, required=True, help="B: the global batch, sequences")
+    p.add_argument("--seq-len", type=int, help="L (default: the model's)")
+    p.add_argument("--cluster", default="p3.16xlarge", help="instance type (p3.16xlarge)")
+    p.add_argument("--memory", type=float, help="GiB per GPU (default: the cluster's)")
+    p.add_argument("--recompute", choices=("both", "none", "full"), default="both")
+    p.add_argument("--top", type=int, default=5, help="configurations to print")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=autoplan_command)
+
+    p = sub.add_parser("partition", help="GPipe, PipeDream or 2BW's planner on a model")
+    p.add_argument("--planner", choices=("gpipe", "pipedream", "2bw"), required=True)
+    p.add_argument("--model", required=True, help="named config, e.g. GPT3-1B")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs (pipedream, 2bw)")
+    p.add_argument("--stages", type=int, help="K (gpipe)")
+    p.add_argument("--batch", type=int, help="the global batch (2bw)")
+    p.add_argument("--microbatch", type=int, default=1, help="sequences per microbatch")
+    p.add_argument("--seq-len", type=int, help="L (default: the model's)")
+    p.add_argument("--top", type=int, default=5, help="configurations to print (2bw)")
+    p.add_argument("--no-memory-check", action="store_true", help="pipedream: ignore GPU memory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=partition_command)
 
 
 def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -136,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_profile(sub)
     _add_plan_and_simulate(sub)
+    _add_layouts(sub)
     _add_runs(sub)
     return parser
 

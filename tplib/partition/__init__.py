@@ -12,15 +12,34 @@ PipeDream-2BW, on any of tplib's cost models. One mechanism per module:
   recomputation under the memory capacity).
 """
 
+from tplib.partition.balance import balance, cell_costs
 from tplib.partition.chain import DoesNotFit, Layer, LayerChain, cluster_chain, profile_chain
+from tplib.partition.pipedream import PipeDreamPlan, PipeDreamStage, pipedream_partition
 from tplib.partition.topology import Level, Topology
+from tplib.partition.twobw import (
+    TwoBWConfig,
+    TwoBWPlan,
+    twobw_memory,
+    twobw_plan,
+    twobw_throughput,
+)
 
 __all__ = [
     "DoesNotFit",
     "Layer",
     "LayerChain",
     "Level",
+    "PipeDreamPlan",
+    "PipeDreamStage",
     "Topology",
+    "TwoBWConfig",
+    "TwoBWPlan",
+    "balance",
+    "cell_costs",
     "cluster_chain",
+    "pipedream_partition",
     "profile_chain",
+    "twobw_memory",
+    "twobw_plan",
+    "twobw_throughput",
 ]

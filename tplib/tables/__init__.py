@@ -8,6 +8,7 @@ table                      paper                  module
 ``seqlen_sweep``           Figure 7 / Table 4     :mod:`tplib.tables.seqlen_sweep`
 ``simulator_validation``   (method)               :mod:`tplib.tables.validation`
 ``pipeline_systems``       PipeDream-2BW §5       :mod:`tplib.tables.pipeline_systems`
+``layout_search``          Table 1 (layouts)      :mod:`tplib.tables.layout_search`
 =========================  =====================  ======================================
 
 :func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
@@ -57,6 +58,7 @@ _MODULES = {
     "seqlen_sweep": "seqlen_sweep",
     "simulator_validation": "validation",
     "pipeline_systems": "pipeline_systems",
+    "layout_search": "layout_search",
 }
 TABLE_NAMES = tuple(_MODULES)
 

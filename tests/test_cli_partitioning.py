@@ -1,0 +1,82 @@
+"""The layout commands: ``autoplan`` and ``partition``, their output and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tplib.cli import main
+from tplib.paper import SETTINGS
+
+
+def test_autoplan_json_has_the_best_first(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["autoplan", "--model", "GPT3-175B", "--gpus", "384", "--batch", "2", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    best = out["candidates"][0]
+    assert (out["model"], out["n_gpus"], out["batch"], out["seq_len"]) == (
+        "GPT3-175B",
+        384,
+        2,
+        2048,
+    )
+    assert best["status"] == "fits" and best["reason"] == "best"
+    assert best["n_data"] * best["n_stages"] * best["n_op"] == 384
+    unplanned = [c for c in out["candidates"] if c["status"] != "fits"]
+    assert unplanned and all(c["latency"] is None for c in unplanned)  # NaN is not JSON
+    assert out["seconds"] > 0
+
+
+def test_autoplan_text_gives_latency_memory_and_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    s = SETTINGS[10]
+    argv = ["autoplan", "--model", s.model, "--gpus", str(s.n_gpus), "--batch", str(s.batch)]
+    assert main([*argv, "--top", "3", "--recompute", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts searched in" in out and " 1. #Data=" in out and "best" in out
+    assert "GiB" in out and ("slower: +" in out or "out of memory" in out)
+    assert "recompute" not in out.split("\n", 1)[1].replace("recompute=", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpus", "12", "--batch", "2"], "n_gpus=12 does not fill whole nodes"),
+        (["--gpus", "384", "--batch", "2", "--memory", "4"], "nothing fits in 4.0 GiB"),
+        (["--gpus", "384", "--batch", "2", "--cluster", "tpu"], "cluster='tpu'"),
+    ],
+)
+def test_autoplan_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["autoplan", "--model", "GPT3-175B", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_partition_gpipe(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["partition", "--planner", "gpipe", "--model", "GPT3-1B", "--stages", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ranges = out["stage_ranges"]
+    assert len(ranges) == 4 and ranges[0][0] == 0 and ranges[-1][1] == 24
+    assert main(["partition", "--planner", "gpipe", "--model", "GPT3-1B"]) == 2
+    assert "--stages is required" in capsys.readouterr().err
+    assert main([*argv[:-3], "--stages", "25"]) == 2
+    assert "n_stages=25 is more than the chain's 24 layers" in capsys.readouterr().err
+
+
+def test_partition_pipedream_and_2bw(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["partition", "--model", "GPT3-1B", "--gpus", "8", "--seq-len", "512"]
+    assert main([*argv, "--planner", "pipedream"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: layers [0, " in out and "GPUs" in out
+    # Whole 2048-token sequences: weight stashing's in-flight activations do not fit.
+    full = ["partition", "--model", "GPT3-1B", "--gpus", "8", "--planner", "pipedream"]
+    assert main(full) == 2
+    assert "nothing fits in 16.0 GiB" in capsys.readouterr().err
+    assert main([*full, "--no-memory-check"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--planner", "2bw", "--batch", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["fits"] and out["best"]["width"] * out["best"]["depth"] <= 8
+    assert main([*argv, "--planner", "2bw"]) == 2
+    assert "--batch is required" in capsys.readouterr().err
