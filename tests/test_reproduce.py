@@ -97,7 +97,13 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert "resumed an interrupted run" in out.stdout
     assert "skip main_results (simulate): finished earlier in this run" in out.stdout
     assert first.stat().st_mtime_ns == ran_at  # not redone
-    for name in ("main_results", "dp_ablation", "seqlen_sweep", "pipeline_systems", "layout_search"):
+    for name in (
+        "main_results",
+        "dp_ablation",
+        "seqlen_sweep",
+        "pipeline_systems",
+        "layout_search",
+    ):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
     assert (
