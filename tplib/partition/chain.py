@@ -265,7 +265,7 @@ def profile_chain(
         excess = np.maximum(timed(p) - (hi - lo) * block, 0.0)
         times[0 if lo == 0 else n - 1] += excess
     plan = Plan.gpipe(microbatch, L, microbatch=microbatch)
-    one = (Action(Kind.F, 0, 0),)
+    one = (Action(Kind.F, 0, 0, 0),)
     element = FP32 if precision != "fp16" else FP16
     output = microbatch * L * cfg.hidden * element
     layers = []
