@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tplib.cli import main
+from tplib.config import get_config
 from tplib.paper import SETTINGS
+from tplib.perfmodel import build_profile
 
 
 def test_autoplan_json_has_the_best_first(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,3 +84,35 @@ def test_partition_pipedream_and_2bw(capsys: pytest.CaptureFixture[str]) -> None
     assert out["best"]["fits"] and out["best"]["width"] * out["best"]["depth"] <= 8
     assert main([*argv, "--planner", "2bw"]) == 2
     assert "--batch is required" in capsys.readouterr().err
+
+
+def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Profiles of every stage of a 4-layer model, where the head costs three blocks:
+    GPipe's balance gives the head a stage of its own."""
+    cfg = get_config("tiny")
+    files = []
+
+    def timed(cost: float) -> Callable[[int, int, int], float]:
+        return lambda b, length, c: 1e-3 * cost * b * length / 64
+
+    for lo, hi in [(0, 1), (1, 3), (3, 4)]:
+        cost = (hi - lo) + (3.0 if hi == cfg.n_layer else 0.0)
+        prof = build_profile(
+            timed(cost), config=cfg, layers_per_stage=hi - lo, seq_len=64, stage=(lo, hi),
+            batch_slice_sizes=(1, 2),
+        )  # fmt: skip
+        files.append(str(tmp_path / f"stage{lo}.json"))
+        prof.save(files[-1])
+    argv = ["partition", "--profiles", *files, "--json"]
+    assert main([*argv, "--planner", "gpipe", "--stages", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stage_ranges"] == [[0, 3], [3, 4]]
+    assert out["on"] == "tiny, 8 workers (profiles measured on cpu)"
+    assert main([*argv, "--planner", "pipedream", "--gpus", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"]
+    assert main([*argv, "--planner", "2bw", "--gpus", "2", "--batch", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["microbatch"] in (1, 2)
+    assert main([*argv, "--planner", "gpipe", "--model", "tiny", "--stages", "2"]) == 2
+    assert "exactly one of --model" in capsys.readouterr().err
+    assert main(["partition", "--planner", "gpipe", "--profiles", "missing.json"]) == 2
+    assert "cannot read profile missing.json" in capsys.readouterr().err

@@ -96,8 +96,10 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     p = sub.add_parser("partition", help="GPipe, PipeDream or 2BW's planner on a model")
     p.add_argument("--planner", choices=("gpipe", "pipedream", "2bw"), required=True)
-    p.add_argument("--model", required=True, help="named config, e.g. GPT3-1B")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs (pipedream, 2bw)")
+    p.add_argument("--model", help="named config, e.g. GPT3-1B (the cluster model)")
+    p.add_argument("--profiles", nargs="+", help="measured profiles of every stage, instead")
+    p.add_argument("--memory", type=float, help="GiB per worker (with --profiles)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs or workers (pipedream, 2bw)")
     p.add_argument("--stages", type=int, help="K (gpipe)")
     p.add_argument("--batch", type=int, help="the global batch (2bw)")
     p.add_argument("--microbatch", type=int, default=1, help="sequences per microbatch")

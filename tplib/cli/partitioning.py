@@ -1,19 +1,22 @@
 """The layout commands: ``autoplan`` (TeraPipe's whole layout, searched) and
 ``partition`` (the planners of GPipe, PipeDream and PipeDream-2BW on a model's layer
-chain). Both run on the V100-cluster model and never import torch."""
+chain), on the V100-cluster model or on stage profiles measured with ``python -m tplib
+profile`` (``partition --profiles``). Neither imports torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from tplib.autoplan import autoplan
-from tplib.partition import Topology, cluster_chain
+from tplib.partition import LayerChain, Topology, cluster_chain, profile_chain
 from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
 from tplib.partition.twobw import twobw_plan
+from tplib.perfmodel.profile import Profile
 
 __all__ = ["autoplan_command", "partition_command"]
 
@@ -46,10 +49,53 @@ def autoplan_command(args: argparse.Namespace) -> int:
 Report = tuple[dict[str, object], list[str]]  # (the JSON object, the printed lines)
 
 
-def _gpipe(args: argparse.Namespace) -> Report:
+@dataclass(frozen=True)
+class Source:
+    """Where the chain comes from: the cluster model, or stage profiles measured here."""
+
+    chain_for: Callable[[int], LayerChain]  # microbatch size -> chain
+    topology: Topology
+    microbatches: tuple[int, ...]  # the sizes 2BW may choose among
+    name: str
+
+
+def _source(args: argparse.Namespace) -> Source:
+    if not args.profiles:
+        if args.memory is not None:
+            raise ValueError("--memory applies to --profiles; the cluster's GPUs have 16 GiB")
+        return Source(
+            lambda b: cluster_chain(args.model, microbatch=b, seq_len=args.seq_len),
+            Topology.cluster(args.gpus),
+            (1, 2, 4, 8),
+            f"{args.model}, {args.gpus} GPUs (V100 cluster model)",
+        )
+    profiles = []
+    for path in args.profiles:
+        try:
+            profiles.append(Profile.load(path))
+        except OSError as exc:
+            raise ValueError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    capacity = args.memory * 2**30 if args.memory is not None else float("inf")
+    first = profiles[0]
+    return Source(
+        lambda b: profile_chain(
+            profiles, microbatch=b, seq_len=args.seq_len, precision=_precision(first.dtype),
+            capacity=capacity,
+        ),
+        Topology.flat(args.gpus, first.link_bandwidth, f"{args.gpus} local processes"),
+        first.batch_slice_sizes,
+        f"{first.config.name}, {args.gpus} workers (profiles measured on {first.device})",
+    )  # fmt: skip
+
+
+def _precision(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+
+def _gpipe(args: argparse.Namespace, src: Source) -> Report:
     if args.stages is None:
         raise ValueError("--stages is required with --planner gpipe: GPipe is given K")
-    chain = cluster_chain(args.model, microbatch=args.microbatch, seq_len=args.seq_len)
+    chain = src.chain_for(args.microbatch)
     ranges = balance(chain, args.stages)
     costs = cell_costs([x.compute for x in chain.layers], ranges)
     lines = [
@@ -59,9 +105,9 @@ def _gpipe(args: argparse.Namespace) -> Report:
     return {"stage_ranges": ranges, "stage_seconds": costs, "chain": chain.source}, lines
 
 
-def _pipedream(args: argparse.Namespace) -> Report:
-    chain = cluster_chain(args.model, microbatch=args.microbatch, seq_len=args.seq_len)
-    p = pipedream_partition(chain, Topology.cluster(args.gpus), memory=not args.no_memory_check)
+def _pipedream(args: argparse.Namespace, src: Source) -> Report:
+    chain = src.chain_for(args.microbatch)
+    p = pipedream_partition(chain, src.topology, memory=not args.no_memory_check)
     out = {
         "stages": [asdict(s) for s in p.stages],
         "slowest_seconds": p.slowest,
@@ -71,14 +117,10 @@ def _pipedream(args: argparse.Namespace) -> Report:
     return out, str(p).splitlines()
 
 
-def _twobw(args: argparse.Namespace) -> Report:
+def _twobw(args: argparse.Namespace, src: Source) -> Report:
     if args.batch is None:
         raise ValueError("--batch is required with --planner 2bw: the global batch B")
-    p = twobw_plan(
-        lambda b: cluster_chain(args.model, microbatch=b, seq_len=args.seq_len),
-        Topology.cluster(args.gpus),
-        batch=args.batch,
-    )
+    p = twobw_plan(src.chain_for, src.topology, batch=args.batch, microbatches=src.microbatches)
     top = p.candidates[: args.top]
     lines = [f"  best: {p.best}"] + [
         f"  {c!s:<44} {c.throughput:8.2f} samples/s  {c.memory / 2**30:5.1f} GiB "
@@ -92,12 +134,13 @@ PLANNERS = {"gpipe": _gpipe, "pipedream": _pipedream, "2bw": _twobw}
 
 
 def partition_command(args: argparse.Namespace) -> int:
-    found, lines = PLANNERS[args.planner](args)
+    if (args.model is None) == (not args.profiles):
+        raise ValueError("give exactly one of --model NAME or --profiles FILE ...")
+    src = _source(args)
+    found, lines = PLANNERS[args.planner](args, src)
     if args.json:
-        print(
-            json.dumps({"planner": args.planner, "model": args.model, "n_gpus": args.gpus} | found)
-        )
+        print(json.dumps({"planner": args.planner, "on": src.name, "n_gpus": args.gpus} | found))
         return 0
-    print(f"{args.planner} on {args.model}, {args.gpus} GPUs (V100 cluster model)")
+    print(f"{args.planner} on {src.name}")
     print("\n".join(lines))
     return 0
