@@ -218,33 +218,25 @@ def test_huge_parameters_force_a_split() -> None:
     ]
 
 
-def test_replicate_inside_nodes_and_split_across_them() -> None:
-    # 2 nodes of 2 GPUs: NVLink 1e11, network 1e9; 1 GB of weights and 0.25 GB of output
-    # per layer. Across nodes a data-parallel stage syncs 2 * 1 * 2e9 / 1e9 = 4 s, so
-    # replicating both layers on both nodes costs >= 4 / 2 = 2. Splitting across nodes
-    # costs the cut 2 * 2.5e8 / 1e9 = 0.5 and, per node, one layer on 2 GPUs:
-    # max(1, 2 * 1 * 1e9 / 1e11) / 2 = 0.5.
+# Two nodes of 2 GPUs; 1 GB of weights and 0.25 GB of output per layer.
+# Fast inside (1e11), slow between (1e9): across nodes a data-parallel stage syncs
+# 2 * 1 * 2e9 / 1e9 = 4 s, so replicating both layers on both nodes costs >= 4 / 2 = 2.
+# Splitting across nodes costs the cut 2 * 2.5e8 / 1e9 = 0.5 and, per node, one layer on
+# 2 GPUs: max(1, 2 * 1 * 1e9 / 1e11) / 2 = 0.5.
+# Slow inside (1e9), fast between (1e12): inside a node a split, max(1, 2 * 2.5e8 / 1e9,
+# 1) = 1, beats replication, max(2, 2 * 2e9 / 1e9) / 2 = 2. Across nodes replicating that
+# pipeline, max(1, 2 * 2e9 / 1e12) / 2 = 0.5, beats a split, whose 1-layer stages on 2
+# GPUs take max(1, 2 * 1e9 / 1e9) / 2 = 1. Flattened: each stage on 2 GPUs at 1 / 2 =
+# 0.5, the in-node transfer 0.5 / 2 = 0.25.
+@pytest.mark.parametrize(("inside", "between", "transfer"), [(1e11, 1e9, 0.5), (1e9, 1e12, 0.25)])
+def test_two_levels_split_where_links_are_slow(
+    inside: float, between: float, transfer: float
+) -> None:
     chain = make_chain([1.0, 1.0], params=[1e9, 1e9], outputs=[2.5e8, 2.5e8])
-    topology = Topology((Level(2, 1e11), Level(2, 1e9)))
+    topology = Topology((Level(2, inside), Level(2, between)))
     plan = pipedream_partition(chain, topology)
     assert plan.stages == (PipeDreamStage(0, 1, 2, 0.5), PipeDreamStage(1, 2, 2, 0.5))
-    assert plan.transfers == (0.5,)
-    assert plan.slowest == 0.5 and plan.in_flight == 2
-    check_plan(plan, chain, topology)
-
-
-def test_outer_replication_divides_the_inner_stages_and_transfers() -> None:
-    # 2 nodes of 2 GPUs with a slow link inside a node (1e9) and a fast one between nodes
-    # (1e12); 1 GB of weights and 0.25 GB of output per layer. Inside a node a split,
-    # max(1, 2 * 2.5e8 / 1e9, 1) = 1, beats replication, max(2, 2 * 2e9 / 1e9) / 2 = 2.
-    # Across nodes replicating that pipeline, max(1, 2 * 2e9 / 1e12) / 2 = 0.5, beats a
-    # split, whose 1-layer stages on 2 GPUs take max(1, 2 * 1e9 / 1e9) / 2 = 1. Flattened:
-    # each stage on 2 GPUs at 1 / 2 = 0.5, the in-node transfer 0.5 / 2 = 0.25.
-    chain = make_chain([1.0, 1.0], params=[1e9, 1e9], outputs=[2.5e8, 2.5e8])
-    topology = Topology((Level(2, 1e9), Level(2, 1e12)))
-    plan = pipedream_partition(chain, topology)
-    assert plan.stages == (PipeDreamStage(0, 1, 2, 0.5), PipeDreamStage(1, 2, 2, 0.5))
-    assert plan.transfers == (0.25,)
+    assert plan.transfers == (transfer,)
     assert plan.slowest == 0.5 and plan.in_flight == 2
     check_plan(plan, chain, topology)
 
