@@ -10,6 +10,7 @@ module            what it holds
 ``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
 ``torchrun``      the entry point for runs across nodes; :func:`load_result` reads its file
 ``layouts``       Table 1's settings as runs (:meth:`RunConfig.for_setting`), launching them
+``planned``       the planners' choices as runs: the layout search's, 2BW's, PipeDream's
 ``memory``        measured memory of a stage: the CPU counter and the CUDA allocator's peak
 ``reference``     :func:`train_reference`, the single-device run every pipeline matches
 ``link``          :func:`measure_link`, a ping-pong between two local processes
