@@ -43,6 +43,20 @@ def test_autoplan_text_gives_latency_memory_and_reasons(capsys: pytest.CaptureFi
     assert "recompute" not in out.split("\n", 1)[1].replace("recompute=", "")
 
 
+def test_autoplan_writes_the_best_layouts_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tplib.runtime import load_run_config
+
+    out = tmp_path / "run.json"
+    argv = ["autoplan", "--model", "GPT3-175B", "--gpus", "384", "--batch", "2"]
+    assert main([*argv, "--out", str(out), "--steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "torchrun --nnodes 48 --nproc-per-node 8" in printed and str(out) in printed
+    run = load_run_config(out)
+    assert run.world_size == 384 and run.steps == 3 and run.schedule == "terapipe"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -92,6 +92,10 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--recompute", choices=("both", "none", "full"), default="both")
     p.add_argument("--top", type=int, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", help="write the best layout's torchrun config here (JSON)")
+    p.add_argument("--result", default="result.pt", help="where its rank 0 writes results")
+    p.add_argument("--steps", type=int, default=10, help="its timed iterations")
+    p.add_argument("--warmup", type=int, default=2, help="its untimed iterations first")
     p.set_defaults(func=autoplan_command)
 
     p = sub.add_parser("partition", help="GPipe, PipeDream or 2BW's planner on a model")

@@ -41,8 +41,19 @@ def autoplan_command(args: argparse.Namespace) -> int:
         d = search.to_dict()
         d["candidates"] = [{k: _json_safe(v) for k, v in c.items()} for c in d["candidates"]]
         print(json.dumps(d))
-        return 0
-    print(search.report(args.top))
+    else:
+        print(search.report(args.top))
+    if args.out:
+        from tplib.runtime import save_run_config
+        from tplib.runtime.layouts import launch_commands
+        from tplib.runtime.planned import search_run
+
+        run = search_run(search, steps=args.steps, warmup=args.warmup)
+        save_run_config(run, args.out)
+        commands = launch_commands(run, args.out, args.result)
+        if not args.json:
+            print(f"wrote the best layout's run to {args.out}; on every node:")
+            print(f"  {commands['torchrun']}\nor under SLURM:\n  {commands['slurm']}")
     return 0
 
 
