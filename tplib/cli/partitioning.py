@@ -15,6 +15,7 @@ from tplib.autoplan import autoplan
 from tplib.partition import LayerChain, Topology, cluster_chain, profile_chain
 from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
+from tplib.partition.simulated import twobw_simulated
 from tplib.partition.twobw import twobw_plan
 from tplib.perfmodel.profile import Profile
 
@@ -133,12 +134,18 @@ def _twobw(args: argparse.Namespace, src: Source) -> Report:
         raise ValueError("--batch is required with --planner 2bw: the global batch B")
     p = twobw_plan(src.chain_for, src.topology, batch=args.batch, microbatches=src.microbatches)
     top = p.candidates[: args.top]
+    # Each closed form beside the simulated 2bw schedule of the same configuration.
+    sims = [twobw_simulated(src.chain_for(c.microbatch), src.topology, c) for c in top]
     lines = [f"  best: {p.best}"] + [
         f"  {c!s:<44} {c.throughput:8.2f} samples/s  {c.memory / 2**30:5.1f} GiB "
-        f"({'fits' if c.fits else 'does not fit'})"
-        for c in top
+        f"({'fits' if c.fits else 'does not fit'}); {c.seconds_per_microbatch * 1e3:.1f} ms "
+        f"per microbatch, simulated {sim * 1e3:.1f} ms"
+        for c, sim in zip(top, sims, strict=True)
     ]
-    return {"best": asdict(p.best), "top": [asdict(c) for c in top]}, lines
+    found = [
+        asdict(c) | {"simulated_seconds_per_microbatch": t} for c, t in zip(top, sims, strict=True)
+    ]
+    return {"best": asdict(p.best), "top": found}, lines
 
 
 PLANNERS = {"gpipe": _gpipe, "pipedream": _pipedream, "2bw": _twobw}

@@ -9,7 +9,9 @@ PipeDream-2BW, on any of tplib's cost models. One mechanism per module:
 - :mod:`~tplib.partition.pipedream`: PipeDream's optimizer (stages, replication,
   hierarchical dynamic program);
 - :mod:`~tplib.partition.twobw`: PipeDream-2BW's planner (width, depth, microbatch,
-  recomputation under the memory capacity).
+  recomputation under the memory capacity);
+- :mod:`~tplib.partition.simulated`: a chain's actions priced for the simulator, so a
+  planner's closed form can be checked against the schedule it assumes.
 """
 
 from tplib.partition.balance import balance, cell_costs

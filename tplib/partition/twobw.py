@@ -53,7 +53,14 @@ from tplib.partition.topology import Topology
 from tplib.schedule.asynchronous import min_microbatches
 from tplib.stages import StageRange, balanced_stages
 
-__all__ = ["TwoBWConfig", "TwoBWPlan", "twobw_memory", "twobw_plan", "twobw_throughput"]
+__all__ = [
+    "TwoBWConfig",
+    "TwoBWPlan",
+    "placement",
+    "twobw_memory",
+    "twobw_plan",
+    "twobw_throughput",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,19 @@ def _level(topology: Topology, ranks: Iterable[int]) -> int:
     return top
 
 
+def placement(topology: Topology, width: int, depth: int) -> tuple[list[float], list[float]]:
+    """Bandwidths of w pipelines of d stages placed rank = stage * w + replica: each
+    boundary's (the slowest of its w replica pairs) and each stage's all-reduce ring."""
+    bandwidth = [level.bandwidth for level in topology.levels]
+    w = width
+    links = [
+        bandwidth[max(_level(topology, (k * w + r, (k + 1) * w + r)) for r in range(w))]
+        for k in range(depth - 1)
+    ]
+    rings = [bandwidth[_level(topology, range(i * w, (i + 1) * w))] for i in range(depth)]
+    return links, rings
+
+
 def twobw_throughput(
     chain: LayerChain,
     topology: Topology,
@@ -139,17 +159,13 @@ def twobw_throughput(
         raise ValueError(f"accumulation={accumulation!r}: an update takes >= 1 microbatch")
     w, d, g = width, depth, accumulation
     stages = balanced_stages(len(chain), d)
-    bandwidth = [level.bandwidth for level in topology.levels]
-    # Boundary k joins stage k to k+1 in every pipeline; the slowest replica pair sets it.
-    crossing = [
-        max(_level(topology, (k * w + r, (k + 1) * w + r)) for r in range(w)) for k in range(d - 1)
-    ]
-    p2p = [2 * chain.boundary(*stages[k]) / bandwidth[level] for k, level in enumerate(crossing)]
+    links, rings = placement(topology, w, d)
+    p2p = [2 * chain.boundary(*stages[k]) / links[k] for k in range(d - 1)]
     terms = []  # (T_i^comp, sum_j T_{j->i}^comm, T_i^comm / g) per stage
     for i, (lo, hi) in enumerate(stages):
         comm = (p2p[i - 1] if i > 0 else 0.0) + (p2p[i] if i < d - 1 else 0.0)
-        bw = bandwidth[_level(topology, range(i * w, (i + 1) * w))]
-        reduce = float(ring_allreduce(chain.grad_bytes * chain.total("params", lo, hi), w, bw))
+        params = chain.total("params", lo, hi)
+        reduce = float(ring_allreduce(chain.grad_bytes * params, w, rings[i]))
         terms.append((chain.compute(lo, hi, recompute), comm, reduce / g))
     if d > 1:  # pipelined: communication overlaps compute, the slowest stage sets the pace
         t = max(max(x) for x in terms)
