@@ -100,6 +100,17 @@ def plot_timeline(
             edgecolor="white",
             linewidth=0.3,
         )
+        # Weight gradients (split backwards): the batch slice's colour, hatched.
+        sel = kinds == Kind.W.value
+        if sel.any():
+            ax.broken_barh(
+                list(zip(start[sel], width[sel], strict=True)),
+                (y - 0.4, 0.8),
+                facecolors=[_lighten(colors[int(b) % len(colors)], 0.3) for b in bs[sel]],
+                edgecolor="white",
+                linewidth=0.3,
+                hatch="///",
+            )
         for kind, color in _STEP_COLORS.items():
             sel = kinds == kind
             if sel.any():
@@ -124,6 +135,11 @@ def plot_timeline(
     handles = [
         Patch(facecolor=_lighten(colors[0], 0.55), label="forward (colour: batch slice)"),
         Patch(facecolor=colors[0], label="backward"),
+        *(
+            [Patch(facecolor=_lighten(colors[0], 0.3), hatch="///", label="weight gradients")]
+            if (df["kind"] == Kind.W.value).any()
+            else []
+        ),
         *(Patch(facecolor=c, label=k) for k, c in _STEP_COLORS.items()),
     ]
     if show_comm:

@@ -42,6 +42,7 @@ from tplib.schedule import (
     SCHEDULES,
     SENDS,
     UPDATE,
+    WORK,
     Action,
     Kind,
     Schedule,
@@ -234,7 +235,7 @@ def simulate(
         a, k = ta.action, ta.stage
         d = own[id(a)]
         kind = a.kind.value
-        if a.kind in COMPUTE:
+        if a.kind in WORK:
             rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.start + d))
             busy[k] += ta.end - ta.start
         elif a.kind in RECEIVES:

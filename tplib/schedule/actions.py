@@ -38,6 +38,8 @@ __all__ = [
     "RECEIVES",
     "SENDS",
     "UPDATE",
+    "WHOLE_SEQUENCE",
+    "WORK",
     "Action",
     "Kind",
     "Schedule",
@@ -55,6 +57,7 @@ class Kind(StrEnum):
     RA = "RA"  # receive the unit's input activation from stage k-1
     SG = "SG"  # send the gradient of the unit's input to stage k-1
     RG = "RG"  # receive the gradient of the unit's output from stage k+1
+    W = "W"  # the weight gradients a split B deferred: of one unit, or of a whole sequence
     AR = "AR"  # all-reduce the stage's gradients: data-parallel replicas, tied embedding
     OPT = "OPT"  # optimizer step on the stage's parameters, then zero the gradients
 
@@ -67,13 +70,18 @@ UPDATE = frozenset({Kind.AR, Kind.OPT})  # once per stage, at the end; they have
 # What occupies a stage's own processor: sends and receives wait on the link instead,
 # and the all-reduce on the network. This is the work that local processes sharing a
 # machine's cores compete for.
-LOCAL_WORK = frozenset({Kind.F, Kind.B, Kind.OPT})
+LOCAL_WORK = frozenset({Kind.F, Kind.B, Kind.W, Kind.OPT})
+# A pipeline step's work on one unit or sequence: what the grid draws one step wide.
+WORK = frozenset({Kind.F, Kind.B, Kind.W})
 
 NO_UNIT = -1  # b and t of the update actions, which belong to no unit
 NO_VERSION = -1  # v of every action of a synchronous schedule, and of non-compute actions
+WHOLE_SEQUENCE = -1  # t of a W that covers every token slice of its batch slice
+
 
 _ACTION_RE = re.compile(
     r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)(?:\s+v(?P<v>\d+))?"
+    r"|W\s+b(?P<wb>\d+)(?:\s+t(?P<wt>\d+))?"
     r"|(?P<update>AR|OPT))\s*$"
 )
 
@@ -100,7 +108,8 @@ class ScheduleError(ValueError):
 class Action:
     """One step of one stage: ``kind`` applied to unit (``b``, ``t``) on ``stage``; the
     update kinds (``AR``, ``OPT``) take no unit (``b = t = -1``). In an asynchronous
-    schedule a forward or backward also names the weight version ``v`` it uses."""
+    schedule a forward or backward also names the weight version ``v`` it uses. A ``W``
+    with ``t = WHOLE_SEQUENCE`` covers every token slice of batch slice ``b``."""
 
     kind: Kind
     stage: int
@@ -118,6 +127,8 @@ class Action:
                     f"action {self.kind} b{self.b} t{self.t}: {self.kind} acts on the whole "
                     "stage and takes no unit (leave b and t at -1)"
                 )
+        elif self.kind is Kind.W and self.b >= 0 and self.t == WHOLE_SEQUENCE:
+            pass
         elif min(self.b, self.t) < 0:
             raise ValueError(
                 f"action {self.kind} b{self.b} t{self.t} on stage {self.stage}: "
@@ -133,10 +144,17 @@ class Action:
     def unit(self) -> Unit:
         return Unit(self.b, self.t)
 
+    @property
+    def whole_sequence(self) -> bool:
+        """Whether this is a ``W`` over every token slice of its batch slice."""
+        return self.kind is Kind.W and self.t == WHOLE_SEQUENCE
+
     def __str__(self) -> str:
         # The stage is the row the action sits in, so the compact form leaves it out.
         if self.kind in UPDATE:
             return str(self.kind)
+        if self.whole_sequence:
+            return f"W b{self.b}"
         version = "" if self.v == NO_VERSION else f" v{self.v}"
         return f"{self.kind} b{self.b} t{self.t}{version}"
 
@@ -147,10 +165,14 @@ class Action:
         if m is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '<kind> b<batch slice> t<token slice>' "
-                f"with kind one of F, B, SA, RA, SG, RG (e.g. 'F b0 t2'), or AR or OPT"
+                f"with kind one of F, B, W, SA, RA, SG, RG (e.g. 'F b0 t2'), 'W b<batch "
+                "slice>' (every token slice), or AR or OPT"
             )
         if m["update"]:
             return cls(Kind(m["update"]), stage)
+        if m["wb"] is not None:
+            t = WHOLE_SEQUENCE if m["wt"] is None else int(m["wt"])
+            return cls(Kind.W, stage, int(m["wb"]), t)
         v = NO_VERSION if m["v"] is None else int(m["v"])
         return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]), v)
 
@@ -202,6 +224,11 @@ class Schedule:
         """Whether its forwards and backwards name weight versions (no flush: the stages
         update while other units are in flight)."""
         return any(a.v != NO_VERSION for acts in self.actions for a in acts)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether its backwards leave the weight gradients to ``W`` actions."""
+        return any(a.kind is Kind.W for acts in self.actions for a in acts)
 
     def compute_actions(self, stage: int) -> tuple[Action, ...]:
         """Stage ``stage``'s forwards and backwards, in order, without communication."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import COMPUTE, UPDATE, Action, Kind, Schedule
+from tplib.schedule.actions import COMPUTE, UPDATE, WHOLE_SEQUENCE, Action, Kind, Schedule
 from tplib.schedule.validate import validate
 
 __all__ = [
@@ -43,7 +43,9 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "one_f_one_b_order",
+    "one_f_one_b_zb",
     "terapipe",
+    "terapipe_zb",
 ]
 
 
@@ -90,6 +92,30 @@ def terapipe(n_stages: int, plan: Plan) -> Schedule:
     return _fill_drain("terapipe", n_stages, plan)
 
 
+def terapipe_zb(n_stages: int, plan: Plan) -> Schedule:
+    """TeraPipe with split backwards: fill-drain forwards and input-gradient backwards
+    (``B``) as in ``terapipe``, then each sequence's weight gradients as one ``W`` over
+    all its token slices, in the order the sequences' backwards finished.
+
+    ``B`` is all the previous stage waits for, so the gradients reach stage 0 a ``W``
+    sooner per unit, and stage k > 0 computes its weight gradients while the stages
+    before it still run their backwards: in the drain, where a stage of ``terapipe``
+    idles. Clock cycles on K=3 stages for the plan ``[(1, [2, 2])] * 2`` (two sequences
+    of two token slices), one step per action, free communication::
+
+        step    |    0        1        2        3        4        5        6        7        8        9       10       11       12
+        --------+---------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0  F b0 t1  F b1 t0  F b1 t1                             B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
+        stage 1 |          F b0 t0  F b0 t1  F b1 t0  F b1 t1           B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
+        stage 2 |                   F b0 t0  F b0 t1  F b1 t0  F b1 t1  B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
+    """
+    _check_stages(n_stages)
+    fwd = list(plan.units())
+    order = [(Kind.F, u) for u in fwd] + [(Kind.B, u) for u in reversed(fwd)]
+    order += [(Kind.W, Unit(b, WHOLE_SEQUENCE)) for b in reversed(range(plan.n_batch_slices))]
+    return _complete("terapipe-zb", n_stages, plan, [order] * n_stages)
+
+
 def one_f_one_b(n_stages: int, plan: Plan) -> Schedule:
     """PipeDream-Flush (1F1B) over batch x token slices (sequence-level 1F1B).
 
@@ -127,6 +153,61 @@ def one_f_one_b_order(k: int, n_stages: int, plan: Plan) -> list[tuple[Kind, Uni
     return order
 
 
+def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
+    """Sequence-level 1F1B with split backwards: the forwards and input-gradient
+    backwards (``B``) of ``1f1b``, in its order; each sequence's weight gradients as one
+    ``W`` over its token slices, placed where the stage would otherwise wait.
+
+    The placement runs 1F1B's order on a clock where a forward or backward takes one
+    step and a ``W`` one step per token slice of its sequence. A stage whose next
+    forward or backward is not ready (its input has not arrived) runs its oldest pending
+    ``W`` instead; stage k also runs one before a forward once more than K-k are pending,
+    which bounds what it keeps for them; the rest end the stage. Clock cycles on K=3
+    stages for the plan ``[(1, [2])] * 4`` (four sequences of one token slice), one step
+    per action, free communication: 15 steps, where ``1f1b`` with its two-step backwards
+    takes 18::
+
+        step    |    0        1        2        3        4        5        6        7        8        9       10       11       12       13       14
+        --------+---------------------------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0  F b1 t0  F b2 t0                    B b0 t0  F b3 t0  B b1 t0  W b0     W b1     B b2 t0  W b2              B b3 t0  W b3
+        stage 1 |          F b0 t0  F b1 t0           B b0 t0  F b2 t0  B b1 t0  F b3 t0  W b0     B b2 t0  W b1     W b2     B b3 t0  W b3
+        stage 2 |                   F b0 t0  B b0 t0  F b1 t0  B b1 t0  W b0     F b2 t0  B b2 t0  W b1     F b3 t0  B b3 t0  W b2     W b3
+    """
+    _check_stages(n_stages)
+    queues = [one_f_one_b_order(k, n_stages, plan) for k in range(n_stages)]
+    orders: list[list[tuple[Kind, Unit]]] = [[] for _ in range(n_stages)]
+    pending: list[list[int]] = [[] for _ in range(n_stages)]  # sequences awaiting their W
+    finished: dict[tuple[Kind, int, Unit], float] = {}  # (kind, stage, unit) -> end step
+    clock = [0.0] * n_stages
+    while any(queues) or any(pending):
+        moves = []  # (start, stage, action, end) of each stage's next move
+        for k in range(n_stages):
+            if queues[k]:
+                kind, u = queues[k][0]
+                src = k - 1 if kind is Kind.F else k + 1
+                ready = finished.get((kind, src, u)) if 0 <= src < n_stages else 0.0
+                force = kind is Kind.F and len(pending[k]) > n_stages - k
+                if ready is not None and (ready <= clock[k] or not pending[k]) and not force:
+                    start = max(clock[k], ready)
+                    moves.append((start, k, (kind, u), start + 1))
+                    continue
+            if pending[k]:
+                b = pending[k][0]
+                w = (Kind.W, Unit(b, WHOLE_SEQUENCE))
+                moves.append((clock[k], k, w, clock[k] + plan.n_token_slices(b)))
+        start, k, (kind, u), end = min(moves)
+        orders[k].append((kind, u))
+        clock[k] = end
+        if kind is Kind.W:
+            pending[k].pop(0)
+            continue
+        queues[k].pop(0)
+        finished[kind, k, u] = end
+        if kind is Kind.B and u.t == 0:
+            pending[k].append(u.b)
+    return _complete("1f1b-zb", n_stages, plan, orders)
+
+
 def add_communication(schedule: Schedule) -> Schedule:
     """Insert sends and receives around a compute-only schedule's actions: RA before
     each F on stages k > 0, SA after each F on stages k < K-1, RG before each B on
@@ -137,12 +218,13 @@ def add_communication(schedule: Schedule) -> Schedule:
         out: list[Action] = []
         for a in acts:
             if a.kind not in COMPUTE:
-                if a.kind in UPDATE:
-                    out.append(a)  # an asynchronous schedule's updates stay in place
+                if a.kind in UPDATE or a.kind is Kind.W:
+                    # An asynchronous schedule's updates stay in place; W is local.
+                    out.append(a)
                     continue
                 raise ValueError(
                     f"add_communication got {a} on stage {k}: it expects a schedule of "
-                    "forwards, backwards and updates"
+                    "forwards, backwards, weight gradients and updates"
                 )
             forward = a.kind is Kind.F
             before, after = (Kind.RA, Kind.SA) if forward else (Kind.RG, Kind.SG)
@@ -170,6 +252,8 @@ SCHEDULES: dict[str, Callable[[int, Plan], Schedule]] = {
     "gpipe": gpipe,
     "terapipe": terapipe,
     "1f1b": one_f_one_b,
+    "terapipe-zb": terapipe_zb,
+    "1f1b-zb": one_f_one_b_zb,
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tplib.schedule.actions import COMPUTE, Action, Kind, Schedule, ScheduleError
+from tplib.schedule.actions import WORK, Action, Kind, Schedule, ScheduleError
 from tplib.schedule.engine import run
 
 __all__ = ["GRID_STEPS", "SERVES", "format_grid", "schedule_error", "unit_cost"]
@@ -24,22 +24,22 @@ SERVES = {Kind.SA: Kind.F, Kind.RA: Kind.F, Kind.SG: Kind.B, Kind.RG: Kind.B}
 
 
 def unit_cost(a: Action) -> float:
-    """One step per forward or backward, nothing else: the grid's clock."""
-    return 1.0 if a.kind in COMPUTE else 0.0
+    """One step per forward, backward or weight gradient, nothing else: the grid's clock."""
+    return 1.0 if a.kind in WORK else 0.0
 
 
 def _anchor(acts: Sequence[Action], i: int) -> int | None:
     """Index of the compute action that draws action ``i`` on the grid."""
     a = acts[i]
-    if a.kind in COMPUTE:
+    if a.kind in WORK:
         return i
     want = SERVES.get(a.kind)
     if want is not None:
         for j, c in enumerate(acts):
             if c.kind == want and c.unit == a.unit:
                 return j
-    later = [j for j in range(i + 1, len(acts)) if acts[j].kind in COMPUTE]
-    earlier = [j for j in range(i) if acts[j].kind in COMPUTE]
+    later = [j for j in range(i + 1, len(acts)) if acts[j].kind in WORK]
+    earlier = [j for j in range(i) if acts[j].kind in WORK]
     # A send or receive without its compute action is drawn on the next one; the update
     # at the end of a stage on its last.
     if want is None:
@@ -55,7 +55,7 @@ def _grid(schedule: Schedule, marks: Iterable[tuple[int, int]], max_steps: int |
         for i, a in enumerate(acts):
             if i < done[k]:
                 step = int(timed[k][i].start)
-            if a.kind in COMPUTE:
+            if a.kind in WORK:
                 # Actions after a deadlock never ran: draw them one step apart after
                 # the last step that did.
                 while (k, step) in cells:

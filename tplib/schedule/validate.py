@@ -9,7 +9,10 @@ sends and receives in FIFO order on every link, and cannot deadlock. An asynchro
 schedule's forwards and backwards must also name weight versions consistently: a unit's
 forward and backward, and all token slices of a sequence, on one version that its stage
 has already made; and each update must apply exactly its own iteration's gradients.
-Each error prints the grid with the faulty action marked.
+A schedule that splits its backwards (``W`` actions) must compute every unit's deferred
+weight gradients exactly once on every stage, after the unit's ``B``: by a ``W`` of the
+unit or one of its whole sequence, never both. Each error prints the grid with the
+faulty action marked.
 
 :func:`replay` times a valid schedule under given action durations: the engine of the
 simulator and of the grid.
@@ -21,7 +24,16 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import COMPUTE, NO_VERSION, SENDS, UPDATE, Action, Kind, Schedule
+from tplib.schedule.actions import (
+    COMMUNICATION,
+    COMPUTE,
+    NO_VERSION,
+    SENDS,
+    UPDATE,
+    Action,
+    Kind,
+    Schedule,
+)
 from tplib.schedule.engine import Link, TimedAction, link_of, run
 from tplib.schedule.grid import SERVES, schedule_error, unit_cost
 
@@ -71,6 +83,8 @@ def _check_counts(schedule: Schedule) -> None:
         kinds = _unit_kinds(k, n)
         seen: dict[tuple[Kind, Unit], int] = {}
         for i, a in enumerate(acts):
+            if a.kind is Kind.W:
+                continue  # _check_weight_grads
             if a.kind not in UPDATE and a.unit not in units:
                 raise schedule_error(
                     schedule,
@@ -107,6 +121,8 @@ def _check_counts(schedule: Schedule) -> None:
                         f"stage {k} lacks {want}: every stage needs "
                         f"{', '.join(kinds)} for every unit of the plan",
                     )
+        if schedule.split_backward:
+            _check_weight_grads(schedule, k)
         if schedule.asynchronous:
             _check_updates(schedule, k)
             continue
@@ -124,6 +140,42 @@ def _check_counts(schedule: Schedule) -> None:
             )
 
 
+def _check_weight_grads(schedule: Schedule, k: int) -> None:
+    """Stage k of a split-backward schedule: each unit's weight gradients computed by
+    exactly one ``W``, of the unit or of its whole sequence."""
+    plan, acts = schedule.plan, schedule.actions[k]
+    covered: dict[Unit, int] = {}  # unit -> index of the W that computes it
+    for i, a in enumerate(acts):
+        if a.kind is not Kind.W:
+            continue
+        if not 0 <= a.b < plan.n_batch_slices or (
+            not a.whole_sequence and not 0 <= a.t < plan.n_token_slices(a.b)
+        ):
+            raise schedule_error(
+                schedule, [(k, i)], f"{a} on stage {k} names a unit that is not in the plan {plan}"
+            )
+        ts = range(plan.n_token_slices(a.b)) if a.whole_sequence else [a.t]
+        for t in ts:
+            u = Unit(a.b, t)
+            if u in covered:
+                raise schedule_error(
+                    schedule,
+                    [(k, covered[u]), (k, i)],
+                    f"{a} on stage {k} computes the weight gradients of {u}, which "
+                    f"{acts[covered[u]]} already computed: each unit's exactly once",
+                )
+            covered[u] = i
+    for u in plan.units():
+        if u not in covered:
+            anchor = [i for i, a in enumerate(acts) if a.kind is Kind.B and a.unit == u]
+            raise schedule_error(
+                schedule,
+                [(k, i) for i in anchor[:1]],
+                f"stage {k} never computes the weight gradients of unit {u}: a schedule with "
+                "W actions needs a W of every unit, or of its whole sequence, after its B",
+            )
+
+
 def _check_updates(schedule: Schedule, k: int) -> None:
     """Stage k of an asynchronous schedule: one ``AR``, ``OPT`` per iteration, update i
     after iteration i's last backward and before iteration i+1's first (the gradients
@@ -132,7 +184,7 @@ def _check_updates(schedule: Schedule, k: int) -> None:
     acts = schedule.actions[k]
     last_backward: dict[int, int] = {}  # iteration -> index of its last backward here
     for i, a in enumerate(acts):
-        if a.kind is Kind.B:
+        if a.kind in (Kind.B, Kind.W):
             last_backward[schedule.iteration_of(a.b)] = i
     made = 0  # updates done so far
     for i, a in enumerate(acts):
@@ -217,6 +269,11 @@ def _needs(a: Action, plan: Plan, n_stages: int) -> Iterator[tuple[Action, str]]
             yield Action(Kind.B, k, b, t + 1), _KV_BACKWARD
         if k < n_stages - 1:
             yield Action(Kind.RG, k, b, t), "a backward needs its received gradient"
+    elif a.kind is Kind.W:
+        # A whole sequence's backward ends with its first token slice.
+        yield Action(Kind.B, k, b, 0 if a.whole_sequence else t), (
+            "weight gradients come from the backward they were deferred by"
+        )
     elif a.kind is Kind.SA:
         yield Action(Kind.F, k, b, t), "an activation is sent after its forward"
     elif a.kind is Kind.SG:
@@ -240,7 +297,7 @@ def _check_fifo(schedule: Schedule) -> None:
     receives: dict[Link, list[tuple[int, int]]] = defaultdict(list)
     for k, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
-            if a.kind not in COMPUTE and a.kind not in UPDATE:
+            if a.kind in COMMUNICATION:
                 (sends if a.kind in SENDS else receives)[link_of(a)].append((k, i))
     for link in sorted(set(sends) | set(receives)):
         msg, src, dst = link
