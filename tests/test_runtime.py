@@ -44,6 +44,9 @@ SLICINGS = {
         Plan.uniform(2, SEQ_LEN, n_token_slices=3),
         Plan((1, 1), ((5, 11), (2, 6, 8))),
     ],
+    # Split backwards: uneven slices, and sequences with different slice counts.
+    "terapipe-zb": [Plan((1, 1), ((7, 1, 8), (3, 13)))],
+    "1f1b-zb": [Plan((1, 1), ((5, 11), (2, 6, 8)))],
 }
 CASES = [
     (schedule, k, r, i)
@@ -147,6 +150,8 @@ SLICED = {
     "gpipe": Plan.gpipe(2, SEQ_LEN),
     "terapipe": Plan((1, 1), ((5, 11), (2, 6, 8))),
     "1f1b": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
+    "terapipe-zb": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "1f1b-zb": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
 }
 
 

@@ -1,10 +1,13 @@
-"""The model's matrix products: weight gradients accumulated in place, and the
-row-parallel product of operation partitioning.
+"""The model's matrix products: weight gradients accumulated in place or deferred, and
+the row-parallel product of operation partitioning.
 
-:class:`Linear` is ``nn.Linear`` for every product of a block. On the float32 path its
-backward adds the weight and bias gradients straight into ``.grad`` inside the GEMM
-(see :class:`_LinearAccumulate`); with an #Op group it is Megatron's row-parallel
-product (:mod:`tplib.oppart`).
+:class:`Linear` is ``nn.Linear`` for every product of a block and for the LM head. On
+the float32 path its backward adds the weight and bias gradients straight into ``.grad``
+inside the GEMM (see :class:`_LinearAccumulate`); with an #Op group it is Megatron's
+row-parallel product (:mod:`tplib.oppart`). Given a
+:class:`~tplib.wgrad.DeferredWeightGrads` (``deferred``), a backward run while it
+collects computes the input gradient only and leaves the weight gradients to it
+(:class:`_LinearDeferred`), in any precision.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tplib.oppart import OpGroup, reduce_from_group
+from tplib.wgrad import DeferredWeightGrads, weight_grads_now
 
 __all__ = ["Linear"]
 
@@ -61,6 +65,43 @@ class _LinearAccumulate(torch.autograd.Function):
         return grad_in, None, None
 
 
+class _LinearDeferred(torch.autograd.Function):
+    """``x @ W.T + b`` whose backward, while its store collects, returns the input
+    gradient and hands ``x`` and the output gradient to the store for a later ``W``
+    (otherwise it computes the weight gradients at once, as autograd would)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        store: DeferredWeightGrads,
+    ) -> Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            # Keep the input in the dtype the product runs in, as autograd would.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store  # type: ignore[attr-defined]
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor | None, None, None, None]:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        weight: Tensor = ctx.weight  # type: ignore[attr-defined]
+        bias: Tensor | None = ctx.bias  # type: ignore[attr-defined]
+        store: DeferredWeightGrads = ctx.store  # type: ignore[attr-defined]
+        if store.current is not None:
+            store.defer(weight, bias, x, grad_out)
+        else:
+            weight_grads_now(weight, bias, x, grad_out)
+        needs_input = ctx.needs_input_grad[0]  # type: ignore[attr-defined]
+        grad_in = grad_out @ weight.to(grad_out.dtype) if needs_input else None
+        return grad_in, None, None, None
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that accumulates its parameter gradients in place (float32 path).
 
@@ -70,11 +111,16 @@ class Linear(nn.Linear):
     (replicated) bias is added once.
     """
 
-    def __init__(self, in_features: int, out_features: int, op: OpGroup | None = None) -> None:
-        super().__init__(in_features, out_features)
+    def __init__(
+        self, in_features: int, out_features: int, op: OpGroup | None = None, bias: bool = True
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
         self.op = op if op is not None and op.size > 1 else None
+        self.deferred: DeferredWeightGrads | None = None  # set by a split-backward executor
 
     def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.deferred is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            return _LinearDeferred.apply(x, self.weight, bias, self.deferred)
         fused = (
             torch.is_grad_enabled()
             and self.weight.requires_grad
@@ -88,4 +134,5 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.op is None:
             return self._product(x, self.bias)
-        return reduce_from_group(self._product(x, None), self.op) + self.bias
+        out = reduce_from_group(self._product(x, None), self.op)
+        return out if self.bias is None else out + self.bias

@@ -184,7 +184,7 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, self.op) for i in range(lo, hi)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-            self.head = nn.Linear(cfg.hidden, rows, bias=False)
+            self.head = Linear(cfg.hidden, rows, bias=False)
             if cfg.tie_embeddings and self.is_first:
                 self.head.weight = self.wte.weight
 

@@ -37,7 +37,6 @@ import pandas as pd
 from tplib.costs import ActionCosts, SliceCostModel, memo, unit_shape
 from tplib.plan import Plan
 from tplib.schedule import (
-    COMPUTE,
     RECEIVES,
     SCHEDULES,
     SENDS,

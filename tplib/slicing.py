@@ -7,6 +7,11 @@ times, in any order a schedule allows, and on different processes. The executor 
 K/V context of each batch slice and refuses orders that would compute something wrong:
 a sequence's slices must run forward first to last and backward last to first.
 
+With ``split_backward`` (the zero-bubble schedules) :meth:`SliceExecutor.backward` is
+``B``, the input gradient only, and :meth:`SliceExecutor.weight_grad` is ``W``, the
+weight gradients ``B`` deferred (:mod:`tplib.wgrad`), of one unit or of every token
+slice of a sequence in one product per weight.
+
 With ``recompute="full"`` (GPipe's re-materialisation) a unit's forward keeps nothing
 for backward but the unit's input (the K/V context is kept anyway, later slices read
 it); its backward runs the forward again with autograd on, then backward through it.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +33,11 @@ from torch import Tensor
 from tplib.config import RECOMPUTE_MODES, check_recompute
 from tplib.context import StageContext
 from tplib.dropout import DropoutKey
+from tplib.linear import Linear
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
+from tplib.schedule.actions import WHOLE_SEQUENCE
+from tplib.wgrad import DeferredWeightGrads
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -63,7 +72,9 @@ class SliceExecutor:
     drops what the same positions of the same sequences drop in one whole-batch forward.
     ``hold``, if given, is
     told about every tensor the executor keeps alive between a unit's forward and
-    backward (a memory meter counts them).
+    backward, or between its ``B`` and ``W`` (a memory meter counts them).
+    ``split_backward``: backward computes input gradients only, and
+    :meth:`weight_grad` the weight gradients of the stage's products.
     """
 
     def __init__(
@@ -77,6 +88,7 @@ class SliceExecutor:
         recompute: str = "none",
         hold: Callable[[Tensor], object] | None = None,
         keep_contexts: bool = True,
+        split_backward: bool = False,
     ) -> None:
         check_recompute(recompute)
         self.stage = stage
@@ -101,6 +113,12 @@ class SliceExecutor:
         self._saved: dict[Unit, _Saved] = {}
         self._next_forward = [0] * plan.n_batch_slices
         self._next_backward = [len(ts) for ts in plan.token_slices]
+        self.deferred: DeferredWeightGrads | None = None
+        if split_backward:
+            self.deferred = DeferredWeightGrads(hold)
+            for module in stage.modules():
+                if isinstance(module, Linear):
+                    module.deferred = self.deferred
 
     def context(self, b: int) -> StageContext:
         """Batch slice ``b``'s K/V context, allocated once and reused every iteration
@@ -178,19 +196,33 @@ class SliceExecutor:
             raise RuntimeError(f"backward of {unit} before its forward")
         if not self.stage.is_last and grad_output is None:
             raise ValueError(f"backward of {unit} on a middle stage needs the output gradient")
-        output = saved.output
-        if output is None:  # recompute: run the forward again, this time for autograd
-            with torch.enable_grad(), self.context(b).recomputing():
-                output = self._run(unit, saved.input, saved.targets)
-        if self.stage.is_last:
-            seed = torch.full_like(output, self.grad_scale)
-            torch.autograd.backward(output, seed)
-        else:
-            torch.autograd.backward(output, grad_output)
+        collect = nullcontext() if self.deferred is None else self.deferred.collecting(unit)
+        with collect:
+            output = saved.output
+            if output is None:  # recompute: run the forward again, this time for autograd
+                with torch.enable_grad(), self.context(b).recomputing():
+                    output = self._run(unit, saved.input, saved.targets)
+            if self.stage.is_last:
+                seed = torch.full_like(output, self.grad_scale)
+                torch.autograd.backward(output, seed)
+            else:
+                torch.autograd.backward(output, grad_output)
         self._next_backward[b] = t if t > 0 else self.plan.n_token_slices(b)
         if t == 0 and not self.keep_contexts:
             del self._contexts[b]
         return saved.input.grad
+
+    def weight_grad(self, b: int, t: int = WHOLE_SEQUENCE) -> None:
+        """``W``: add the weight gradients the backward of unit (b, t) deferred into
+        ``.grad``; of every token slice of batch slice ``b`` at once (one product per
+        weight) with ``t = WHOLE_SEQUENCE``."""
+        if self.deferred is None:
+            raise RuntimeError(
+                f"weight_grad(b={b}, t={t}) on an executor without split_backward: its "
+                "backwards compute the weight gradients themselves"
+            )
+        ts = range(self.plan.n_token_slices(b)) if t == WHOLE_SEQUENCE else [t]
+        self.deferred.compute([Unit(b, s) for s in ts])
 
     @property
     def pending(self) -> list[Unit]:
@@ -217,10 +249,13 @@ def run_pipeline_local(
     attention: str | None = None,
     recompute: str = "none",
     dropout: DropoutKey | None = None,
+    split_backward: bool = False,
 ) -> Tensor:
     """Forward and backward a batch through ``stages`` chained in this process: every unit
-    forward through every stage, then every unit backward in reverse order. ``dropout``:
-    train with dropout, keyed for row 0 of ``x`` (see :mod:`tplib.dropout`).
+    forward through every stage, then every unit backward in reverse order (with
+    ``split_backward``: input gradients only, then each sequence's weight gradients in
+    one product per weight). ``dropout``: train with dropout, keyed for row 0 of ``x``
+    (see :mod:`tplib.dropout`).
 
     ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
     grad, its gradient is accumulated in ``x.grad``. A chain from the first stage to the
@@ -242,7 +277,14 @@ def run_pipeline_local(
         raise ValueError("a chain that ends mid-model needs grad_output")
     scale = 1.0 / targets.numel() if loss_scale is None and targets is not None else loss_scale
     executors = [
-        SliceExecutor(s, plan, loss_scale=scale or 1.0, attention=attention, recompute=recompute)
+        SliceExecutor(
+            s,
+            plan,
+            loss_scale=scale or 1.0,
+            attention=attention,
+            recompute=recompute,
+            split_backward=split_backward,
+        )
         for s in stages
     ]
     for ex in executors:
@@ -262,6 +304,10 @@ def run_pipeline_local(
             if x.grad is None:
                 x.grad = torch.zeros_like(x)
             unit_rows(plan, unit, x.grad).add_(grad)
+    if split_backward:
+        for b in range(plan.n_batch_slices):
+            for ex in executors:
+                ex.weight_grad(b)
     _sum_tied_gradients(stages)
     if ends_model:
         return torch.stack(outputs).sum()

@@ -116,7 +116,9 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="time a schedule on local processes (the real runtime)")
-    p.add_argument("--schedule", required=True, help="gpipe, terapipe or 1f1b")
+    p.add_argument(
+        "--schedule", required=True, help="gpipe, terapipe, 1f1b, terapipe-zb, 1f1b-zb, ..."
+    )
     p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
     p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
     p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")

@@ -5,7 +5,8 @@ spans every iteration of the run, and is walked once).
 Each process builds its shard of its stage of the model, then walks the actions of
 :attr:`RunConfig.schedule_data <tplib.runtime.RunConfig.schedule_data>` through a dispatch
 table from action kind to method (:data:`Worker.DISPATCH`): receive, forward, send and
-the same for gradients, through a :class:`~tplib.slicing.SliceExecutor` that keeps each
+the same for gradients (under a zero-bubble schedule the backward leaves the weight
+gradients to ``W`` actions), through a :class:`~tplib.slicing.SliceExecutor` that keeps each
 sequence's K/V context and routes the K/V gradients between token slices; then the
 gradient all-reduce (across data-parallel replicas, and between the two copies of a tied
 embedding) and the optimizer step. A new kind of action is one method and one table entry.
@@ -106,6 +107,7 @@ class Worker:
             recompute=run.recompute,
             hold=self.meter.hold if self.counting else None,
             keep_contexts=not self.asynchronous,
+            split_backward=self.schedule.split_backward,
         )
         self.meter.exclude(self.params)
         self.versions: WeightVersions | None = None
@@ -176,6 +178,11 @@ class Worker:
             assert grad is not None  # a hidden-state input always has a gradient
             it.outputs[action.unit] = grad
 
+    def weight_grad(self, action: Action, it: _Iteration) -> None:
+        """W: the weight gradients a split backward deferred, of the unit or (``W b``)
+        of the whole sequence in one product per weight."""
+        self.executor.weight_grad(action.b, action.t)
+
     def send(self, action: Action, it: _Iteration) -> None:
         """SA / SG: post the unit's output or input gradient from the carrying op rank;
         completed before AR."""
@@ -245,6 +252,7 @@ class Worker:
         Kind.RG: receive,
         Kind.F: forward,
         Kind.B: backward,
+        Kind.W: weight_grad,
         Kind.SA: send,
         Kind.SG: send,
         Kind.AR: allreduce,

@@ -271,8 +271,9 @@ def _needs(a: Action, plan: Plan, n_stages: int) -> Iterator[tuple[Action, str]]
             yield Action(Kind.RG, k, b, t), "a backward needs its received gradient"
     elif a.kind is Kind.W:
         # A whole sequence's backward ends with its first token slice.
-        yield Action(Kind.B, k, b, 0 if a.whole_sequence else t), (
-            "weight gradients come from the backward they were deferred by"
+        yield (
+            Action(Kind.B, k, b, 0 if a.whole_sequence else t),
+            ("weight gradients come from the backward they were deferred by"),
         )
     elif a.kind is Kind.SA:
         yield Action(Kind.F, k, b, t), "an activation is sent after its forward"
