@@ -9,7 +9,8 @@ Two protocols, declared once with every member tplib reads:
   :class:`~tplib.measure.BottleneckCost` and the planner's :class:`~tplib.planner.TableCost`.
 - :class:`ActionCosts`, the simulator's price of every action of a schedule. Implemented
   by :class:`~tplib.cluster.ClusterCostModel`, :class:`~tplib.measure.LocalCosts` and, from
-  any slice cost model, :class:`~tplib.simulate.SliceModelCosts`.
+  any slice cost model, :class:`~tplib.simulate.SliceModelCosts`; those that also price
+  the ``W`` actions of split backwards are :class:`SplitBackwardCosts`.
 
 Also here, written once for every cost model: :func:`memo`, the cache of per-unit costs,
 and :func:`ring_allreduce`, the time of a ring all-reduce.
@@ -29,7 +30,15 @@ if TYPE_CHECKING:
     from tplib.plan import Plan
     from tplib.schedule import Action
 
-__all__ = ["ActionCosts", "Link", "SliceCostModel", "memo", "ring_allreduce", "unit_shape"]
+__all__ = [
+    "ActionCosts",
+    "Link",
+    "SliceCostModel",
+    "SplitBackwardCosts",
+    "memo",
+    "ring_allreduce",
+    "unit_shape",
+]
 
 
 NBytes = TypeVar("NBytes", float, np.ndarray)
@@ -88,6 +97,20 @@ class ActionCosts(Protocol):
 
     def optimizer(self, stage: int) -> float:
         """The stage's optimizer step (``OPT``) after the all-reduce."""
+        ...
+
+
+class SplitBackwardCosts(ActionCosts, Protocol):
+    """:class:`ActionCosts` that also price the ``W`` actions of a zero-bubble schedule.
+
+    The simulator prices a ``B`` of such a schedule as ``compute`` (the whole backward)
+    minus ``weight_grad`` of the same unit's ``W``: what is left is the input gradient.
+    A ``W`` of a whole sequence is priced as one product over all its tokens, which is
+    where fusing gains."""
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        """A ``W`` on ``stage``: the weight gradients of its unit, or with
+        ``action.whole_sequence`` of every token slice of its batch slice at once."""
         ...
 
 

@@ -19,6 +19,9 @@ the link; for a receive, the time the receiving stage itself is occupied (0 when
 posted receive costs nothing). With ``blocking_sends`` the sender's stream is busy for
 the whole transfer, as when the send runs on the compute stream (the paper's NCCL
 implementation); otherwise the sender goes on and the message lands ``transfer`` later.
+A zero-bubble schedule's ``W`` is priced by ``weight_grad``
+(:class:`~tplib.costs.SplitBackwardCosts`), and each of its ``B`` as the backward less
+the weight gradients of the same unit.
 
 Output. :class:`SimResult` holds the latency, each stage's busy and idle time, the bubble
 fraction and the timeline as a DataFrame with the columns of the runtime's measured
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from tplib.costs import ActionCosts, SliceCostModel, memo, unit_shape
+from tplib.costs import ActionCosts, SliceCostModel, SplitBackwardCosts, memo, unit_shape
 from tplib.plan import Plan
 from tplib.schedule import (
     RECEIVES,
@@ -77,9 +80,14 @@ class ConstantCosts:
     t_allreduce: float = 0.0
     t_optimizer: float = 0.0
     blocking_sends: bool = False
+    t_w: float = 1.0  # of t_b, the weight gradients' share: W per token slice, fused or not
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
         return self.t_f if action.kind is Kind.F else self.t_b
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        slices = plan.n_token_slices(action.b) if action.whole_sequence else 1
+        return self.t_w * slices
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return self.t_send if action.kind in SENDS else self.t_recv
@@ -102,10 +110,23 @@ class SliceModelCosts:
     t_allreduce: float = 0.0
     t_optimizer: float = 0.0
     blocking_sends: bool = False
+    wgrad_fraction: float = 1 / 3  # W's share of a slice: one of the backward's 2 products
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fwd_fraction <= 1.0:
             raise ValueError(f"fwd_fraction={self.fwd_fraction} must lie in [0, 1]")
+        if not 0.0 <= self.wgrad_fraction <= 1.0 - self.fwd_fraction:
+            raise ValueError(
+                f"wgrad_fraction={self.wgrad_fraction} must lie in [0, 1 - fwd_fraction]: "
+                "the weight gradients are part of the backward"
+            )
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        """The weight-gradient share of each covered slice (no gain from fusing: a slice
+        cost model knows nothing of products)."""
+        ts = range(plan.n_token_slices(action.b)) if action.whole_sequence else [action.t]
+        units = (Action(Kind.B, stage, action.b, t) for t in ts)
+        return sum(self.wgrad_fraction * self._slice_time(*unit_shape(plan, u)) for u in units)
 
     @memo
     def _slice_time(self, size: int, length: int, context: int) -> float:
@@ -149,17 +170,33 @@ _PRICE: dict[Kind, Callable[[ActionCosts, int, Action, Plan], float]] = {
     Kind.RG: lambda c, k, a, p: c.transfer(k, a, p),
     Kind.AR: lambda c, k, a, p: c.allreduce(k),
     Kind.OPT: lambda c, k, a, p: c.optimizer(k),
+    Kind.W: lambda c, k, a, p: _split(c, a).weight_grad(k, a, p),
 }
 
 _WHAT = {Kind.AR: "the all-reduce", Kind.OPT: "the optimizer step"}
 
 
-def action_cost(costs: ActionCosts, action: Action, plan: Plan) -> float:
-    """The seconds ``costs`` gives ``action``; ValueError unless finite and >= 0."""
+def _split(costs: ActionCosts, action: Action) -> SplitBackwardCosts:
+    if not callable(getattr(costs, "weight_grad", None)):
+        raise ValueError(
+            f"{type(costs).__name__} cannot price {action} of a split-backward schedule: "
+            "it has no weight_grad (see tplib.costs.SplitBackwardCosts)"
+        )
+    return costs  # type: ignore[return-value]
+
+
+def action_cost(
+    costs: ActionCosts, action: Action, plan: Plan, *, split_backward: bool = False
+) -> float:
+    """The seconds ``costs`` gives ``action``; ValueError unless finite and >= 0. In a
+    ``split_backward`` schedule a ``B`` is the backward less its unit's weight gradients."""
     k = action.stage
     if action.kind not in _PRICE:
         raise ValueError(f"the simulator cannot price {action.kind} actions: no cost for it")
     cost = float(_PRICE[action.kind](costs, k, action, plan))
+    if split_backward and action.kind is Kind.B:
+        w = Action(Kind.W, k, action.b, action.t)
+        cost -= float(_split(costs, w).weight_grad(k, w, plan))
     if not 0.0 <= cost < math.inf:  # also catches NaN
         what = (
             f"{_WHAT[action.kind]} of stage {k}"
@@ -206,13 +243,14 @@ def simulate(
     schedule deadlocks."""
     blocking = costs.blocking_sends if blocking_sends is None else blocking_sends
     plan, n = schedule.plan, schedule.n_stages
+    split = schedule.split_backward
     # Keyed by id(): replay hands back the schedule's own Action objects, and hashing a
     # frozen dataclass per lookup was a third of the simulator's time on big schedules.
     own: dict[int, float] = {}  # the action's own seconds (compute, link, receive, update)
     folded: dict[tuple[Kind, int, int, int], float] = {}  # blocking: send time on its compute
     for k, acts in enumerate(schedule.actions):
         for a in acts:
-            cost = action_cost(costs, a, plan)
+            cost = action_cost(costs, a, plan, split_backward=split)
             own[id(a)] = cost
             if blocking and a.kind in SENDS:
                 served = (Kind.F if a.kind is Kind.SA else Kind.B, k, a.b, a.t)

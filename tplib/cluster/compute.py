@@ -42,6 +42,7 @@ __all__ = [
     "hbm_rate",
     "head_times",
     "layer_times",
+    "layer_wgrad_time",
     "nvlink_bus",
 ]
 
@@ -153,6 +154,21 @@ def layer_times(
         + kv_grad
     )
     return fwd, bwd
+
+
+def layer_wgrad_time(
+    cfg: GPTConfig, n_op: int, tokens: float | np.ndarray, *, cal: Calibration, hw: Hardware
+) -> np.ndarray:
+    """GPU seconds of one layer's weight gradients over ``tokens`` tokens on one GPU of an
+    ``n_op`` group, computed at once: the four dW = X^T dY products (each reducing over
+    all the tokens) and one ``w.grad += dW``. This is the part of :func:`layer_times`'s
+    backward a split backward defers to ``W``; over a whole sequence's tokens it is the
+    fused ``W``."""
+    h = cfg.hidden
+    shapes = [(3 * h / n_op, h), (h, h / n_op), (4 * h / n_op, h), (h, 4 * h / n_op)]
+    dw = sum(gemm_time(k, n, tokens, cal=cal, hw=hw) for n, k in shapes)
+    accumulate = 3 * FP16 * n_params_per_layer(cfg) / n_op / hbm_rate(cal, hw)
+    return np.asarray(dw + accumulate, dtype=float)
 
 
 def embedding_times(

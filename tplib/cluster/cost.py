@@ -27,7 +27,7 @@ from functools import cached_property
 import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
-from tplib.cluster.compute import hbm_rate, layer_times, nvlink_bus
+from tplib.cluster.compute import hbm_rate, layer_times, layer_wgrad_time, nvlink_bus
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
 from tplib.cluster.layout import check_layout, gpu_rank, send_ranks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
@@ -225,6 +225,13 @@ class ClusterCostModel:
         comm = np.max([self.stage_comm(k, nbytes) for k in range(self.n_stages)], axis=0)
         return fwd + bwd + comm
 
+    def wgrad_time(self, batch_slice_size: int, length: np.ndarray) -> np.ndarray:
+        """Seconds of one stage's weight gradients over ``batch_slice_size`` x ``length``
+        tokens at once (:class:`~tplib.planner.zero_bubble.WeightGradModel`)."""
+        tokens = batch_slice_size * np.asarray(length, dtype=float)
+        t = layer_wgrad_time(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)
+        return self.layers_per_stage * t
+
     # ---- ActionCosts (simulator) -----------------------------------------------------
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
@@ -242,6 +249,21 @@ class ClusterCostModel:
             nbytes = np.array([FP16 * size * length * self.cfg.hidden])
             t += float(self._op_broadcast(nbytes)[0])
         return t
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        """A ``W``: the stage's weight-gradient products over the unit's tokens, or with
+        ``action.whole_sequence`` over the whole sequence's at once (one product per
+        weight, one ``w.grad +=``). A split ``B`` costs the backward less the unit's
+        ``W`` (see :class:`~tplib.costs.SplitBackwardCosts`), so the host floor stays
+        with ``B``."""
+        size = plan.batch_slices[action.b]
+        if action.whole_sequence:
+            return self._weight_grad(size * sum(plan.token_slices[action.b]))
+        return self._weight_grad(size * plan.token_slices[action.b][action.t])
+
+    @memo
+    def _weight_grad(self, tokens: int) -> float:
+        return float(self.wgrad_time(1, np.array([tokens]))[0])
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         """A send's time on the link; a receive's own time on the receiving stage."""

@@ -83,10 +83,14 @@ def exact_joint(
     granularity: int = 8,
     eps: float = 0.0,
     max_batch_slice_size: int | None = None,
+    per_batch_slice: np.ndarray | None = None,
 ) -> Plan:
     """One t_max for all units: per window, S*_b for every b, a knapsack over the batch
-    split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max`` once: the true latency."""
+    split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max`` once: the true latency.
+    ``per_batch_slice[b - 1]``, if given, is added once per batch slice of b sequences
+    (a zero-bubble schedule's fused weight gradients, :mod:`tplib.planner.zero_bubble`)."""
     ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
+    extra = np.zeros(bmax) if per_batch_slice is None else np.asarray(per_batch_slice)[:bmax]
     bs = np.arange(1, bmax + 1)
     starts, tops = windows(np.unique(ce[1:][np.isfinite(ce[1:])]), eps)
     floor = bottleneck(ce, bs).min()
@@ -95,7 +99,7 @@ def exact_joint(
     while len(p := search.probes(max(1, ROWS // bmax))):
         S, M, back = run_dp(ce, np.tile(bs, len(p)), np.repeat(search.tops[p], bmax))
         S, M = S.reshape(len(p), bmax), M.reshape(len(p), bmax)
-        total, splits = _knapsack(S, batch)
+        total, splits = _knapsack(S + extra, batch)
         peak = np.array(
             [max((M[r, b - 1] for b in s), default=np.inf) for r, s in enumerate(splits)]
         )

@@ -110,7 +110,7 @@ TABLE = Table(
             findings=lambda df: findings.speedup_targets(df, "setting"),
             columns="setting model latency_gpipe paper_latency_gpipe latency_terapipe "
             "paper_latency_terapipe speedup paper_speedup err_speedup tflops_per_gpu "
-            "paper_tflops_per_gpu",
+            "paper_tflops_per_gpu latency_terapipe_zb latency_1f1b_zb speedup_zb gain_zb_over_terapipe",
             compare=Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
         ),
         "measure": TableMode(

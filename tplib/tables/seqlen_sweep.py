@@ -107,7 +107,8 @@ TABLE = Table(
             figure=lambda rows: plots.seqlen_figure(rows.df),
             findings=lambda df: findings.speedup_targets(df, "seq_len"),
             columns="seq_len pipeline_batch latency_gpipe paper_latency_gpipe "
-            "latency_terapipe paper_latency_terapipe speedup paper_speedup err_speedup",
+            "latency_terapipe paper_latency_terapipe speedup paper_speedup err_speedup "
+            "latency_terapipe_zb latency_1f1b_zb speedup_zb gain_zb_over_terapipe",
             compare=Comparison(("seq_len",), "speedup", "paper_speedup", ("pipeline_batch",)),
         ),
         "measure": TableMode(

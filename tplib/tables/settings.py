@@ -27,6 +27,7 @@ from tplib.paper import GPIPE, TERAPIPE, PaperResult, Setting, main_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.planner import plan as plan_slices
+from tplib.planner.zero_bubble import plan_zero_bubble
 from tplib.simulate import SimResult, simulate_plan
 
 __all__ = [
@@ -126,6 +127,19 @@ def simulate_setting(
     gpipe = simulate_on_cluster(s, s.gpipe_plan(), "gpipe", calibration=calibration)
     tera = simulate_on_cluster(s, p, "terapipe", calibration=calibration)
     memory = cost_model(s, calibration).memory(p)
+    # Beyond the paper: split backwards, planned by the zero-bubble objective.
+    pz = plan_zero_bubble(
+        cost_model(s, calibration),
+        seq_len=s.seq_len,
+        batch=s.pipeline_batch,
+        n_stages=s.n_stages,
+        granularity=GRANULARITY,
+        eps=eps,
+    )
+    zb = {
+        name: simulate_on_cluster(s, pz, name, calibration=calibration).latency
+        for name in ("terapipe-zb", "1f1b-zb")
+    }
     return setting_fields(s) | {
         "latency_gpipe": gpipe.latency,
         "latency_terapipe": tera.latency,
@@ -139,6 +153,11 @@ def simulate_setting(
         "plan_seconds": t_plan,
         "memory_gib": memory.total / 2**30,
         "fits_memory": memory.fits,
+        "latency_terapipe_zb": zb["terapipe-zb"],
+        "latency_1f1b_zb": zb["1f1b-zb"],
+        "speedup_zb": gpipe.latency / min(zb.values()),
+        "gain_zb_over_terapipe": tera.latency / min(zb.values()),
+        "plan_zb": pz.to_paper(),
     }
 
 
