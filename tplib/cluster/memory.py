@@ -265,20 +265,31 @@ def peak_in_flight(
     actions: Sequence[Action],
     kept: Callable[[Unit], float],
     rebuilt: Callable[[Unit], float] | None = None,
+    deferred: Callable[[Unit], float] | None = None,
 ) -> float:
     """The most bytes a stage keeps for backward at once under its ``actions``: ``kept(u)``
     from unit u's forward to its backward, plus, with recomputation, ``rebuilt(u)``
-    while u's backward runs."""
+    while u's backward runs, and under split backwards ``deferred(u)`` from u's ``B`` to
+    the ``W`` that computes its weight gradients."""
     alive: dict[Unit, float] = {}
+    waiting: dict[Unit, float] = {}
     peak = 0.0
     for action in actions:
         if action.kind is Kind.F:
             alive[action.unit] = kept(action.unit)
-            peak = max(peak, sum(alive.values()))
+            peak = max(peak, sum(alive.values()) + sum(waiting.values()))
         elif action.kind is Kind.B:
+            held = sum(alive.values()) + sum(waiting.values())
             if rebuilt is not None:
-                peak = max(peak, sum(alive.values()) + rebuilt(action.unit))
+                peak = max(peak, held + rebuilt(action.unit))
             alive.pop(action.unit, None)
+            if deferred is not None:
+                waiting[action.unit] = deferred(action.unit)
+                peak = max(peak, sum(alive.values()) + sum(waiting.values()))
+        elif action.kind is Kind.W:
+            for u in [u for u in waiting if u.b == action.b]:
+                if action.whole_sequence or u.t == action.t:
+                    del waiting[u]
     return peak
 
 
@@ -330,14 +341,24 @@ def stage_memory(
     def kept(u: Unit) -> float:
         return tokens(u) * per_token + scores(u)
 
+    # Split backwards keep each product's input and output gradient from B to W: per
+    # layer the inputs of QKV, FC1 (h each), the projection (h / #Op) and FC2 (4h / #Op),
+    # and the gradients of their outputs (3h / #Op, 4h / #Op, h, h); the head's too.
+    wgrad = e if precision == "fp32" else FP16
+    per_token_deferred = (hi - lo) * (4 * h + 12 * h / n_op) * wgrad
+    per_token_deferred += (h + vocab_rows) * wgrad if last else 0
+    deferred = None
+    if any(a.kind is Kind.W for a in actions):
+        deferred = lambda u: tokens(u) * per_token_deferred  # noqa: E731
     if recompute == "full":
         acts = peak_in_flight(
             actions,
             kept=lambda u: tokens(u) * own_input,
             rebuilt=lambda u: kept(u) - tokens(u) * (own_input + (0 if last else h * e)),
+            deferred=deferred,
         )
     else:
-        acts = peak_in_flight(actions, kept=kept)
+        acts = peak_in_flight(actions, kept=kept, deferred=deferred)
     # The products' weights (and the head, which may be the tied embedding).
     products = (hi - lo) * 12 * h * h // n_op + (vocab_rows * h if last else 0)
     acts += inv.weight_copy * products

@@ -30,7 +30,8 @@ class LocalCosts:
     """:class:`~tplib.costs.ActionCosts` of a pipeline on this machine.
 
     ``compute``: stage k's profile, t(b, l, c) without communication, split into forward
-    and backward by the stage's measured forward share. ``transfer``: a send occupies the
+    and backward by the stage's measured forward share; ``weight_grad`` (the ``W`` of a
+    split backward), the stage's measured weight-gradient share. ``transfer``: a send occupies the
     link for its one-way time; a posted receive costs its stage nothing beyond waiting,
     since the copy out of the socket is part of that one-way time. ``allreduce`` /
     ``optimizer``: per stage, see :func:`local_costs`.
@@ -51,6 +52,19 @@ class LocalCosts:
         share = self.profiles[stage].fwd_fraction
         share = share if action.kind is Kind.F else 1.0 - share
         return share * self._slice(stage, *unit_shape(plan, action))
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        """A ``W``: the profile's measured weight-gradient share of the unit's tokens, or
+        of the whole sequence's at once."""
+        size = plan.batch_slices[action.b]
+        ts = plan.token_slices[action.b]
+        length = sum(ts) if action.whole_sequence else ts[action.t]
+        return self._wgrad(stage, size, length)
+
+    @memo
+    def _wgrad(self, stage: int, size: int, length: int) -> float:
+        value = self.profiles[stage].wgrad_time(size, np.array([length]))
+        return float(np.asarray(value).reshape(-1)[0])
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         if action.kind not in SENDS:

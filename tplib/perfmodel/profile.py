@@ -147,6 +147,9 @@ class Profile:
     stage: tuple[int, int] | None = None
     fwd_fraction: float = 1 / 3  # the forward's share of t(b, l, c); 1/3 unless measured
     optimizer_time: float = 0.0  # seconds of the stage's AdamW step (0: not measured)
+    # The weight gradients' share of a whole-sequence t(b, L, 0), computed at once after a
+    # split backward (tplib.wgrad); 0: not measured.
+    wgrad_fraction: float = 0.0
     # The measured table when ``times`` holds its smoothed fit (smooth_lengths); else empty.
     raw_times: tuple[tuple[float, ...], ...] = ()
     torch_version: str = ""  # of the timer ("": not measured with torch)
@@ -181,6 +184,11 @@ class Profile:
         if not 0.0 < self.fwd_fraction < 1.0:
             raise ProfileError(f"fwd_fraction={self.fwd_fraction}: must lie strictly in (0, 1)")
         seconds(self.optimizer_time, "optimizer_time")
+        if not 0.0 <= self.wgrad_fraction < 1.0 - self.fwd_fraction:
+            raise ProfileError(
+                f"wgrad_fraction={self.wgrad_fraction}: must lie in [0, 1 - fwd_fraction), "
+                "the weight gradients are part of the backward"
+            )
         if self.reduce not in REDUCE:
             raise ProfileError(f"reduce={self.reduce!r}: choose one of {sorted(REDUCE)}")
         if self.dtype not in DTYPE_BYTES:
@@ -245,6 +253,18 @@ class Profile:
         """t(b, l, 0) from the table + Eq. 9's t_ctx (for c > 0) + communication."""
         compute = self.compute_time(batch_slice_size, length, context)
         return compute + self.comm_time(batch_slice_size, length)
+
+    def wgrad_time(self, batch_slice_size: int, length: np.ndarray) -> np.ndarray:
+        """Seconds of the stage's weight gradients over ``batch_slice_size`` sequences of
+        ``length`` tokens at once: the measured share of t(b, length, 0)."""
+        if self.wgrad_fraction == 0.0:
+            raise ProfileError(
+                "this profile has no weight-gradient measurement (wgrad_fraction=0): " + REPROFILE
+            )
+        length = np.asarray(length)
+        return self.wgrad_fraction * self.compute_time(
+            batch_slice_size, length, np.zeros_like(length)
+        )
 
     def compute_time(
         self, batch_slice_size: int, length: np.ndarray, context: np.ndarray

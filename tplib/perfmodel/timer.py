@@ -25,6 +25,7 @@ from torch import Tensor
 
 from tplib.config import GPTConfig, get_config
 from tplib.context import StageContext
+from tplib.linear import Linear
 from tplib.machine import threads_per_process
 from tplib.model import build_model
 from tplib.perfmodel.build import build_profile
@@ -36,7 +37,9 @@ from tplib.perfmodel.profile import (
     ProfileError,
     grid_steps,
 )
+from tplib.plan import Unit
 from tplib.stages import balanced_stages, check_stage_range, check_stage_ranges
+from tplib.wgrad import DeferredWeightGrads
 
 __all__ = ["DTYPES", "StageTimer", "profile_pipeline", "profile_stage"]
 
@@ -147,6 +150,36 @@ class StageTimer:
         total = float(np.median(times[self.warmup :]))
         self.forward_fractions.append(float(np.median(forwards[self.warmup :])) / total)
         return total
+
+    def wgrad_fraction(self, batch: int, length: int) -> float:
+        """The weight gradients' median share of a whole-sequence forward + split
+        backward of ``batch`` x ``length`` tokens: F, then B leaving the products' weight
+        gradients to one W (:mod:`tplib.wgrad`), then that W."""
+        linears = [m for m in self.stage.modules() if isinstance(m, Linear)]
+        store = DeferredWeightGrads()
+        for m in linears:
+            m.deferred = store
+        try:
+            ctx = self.stage.new_context(batch, self.seq_len)
+            x, targets, grad = self._inputs(batch, length)
+            shares = []
+            for _ in range(self.warmup + self.repeats):
+                x.grad = None
+                self._sync()
+                t0 = time.perf_counter()
+                out = self.stage(x, start=0, context=ctx, targets=targets)
+                with store.collecting(Unit(0, 0)):
+                    out.backward(grad)
+                self._sync()
+                t1 = time.perf_counter()
+                store.compute([Unit(0, 0)])
+                self._sync()
+                t2 = time.perf_counter()
+                shares.append((t2 - t1) / (t2 - t0))
+            return float(np.median(shares[self.warmup :]))
+        finally:
+            for m in linears:
+                m.deferred = None
 
     def optimizer_time(self, repeats: int = 5, grad_clip: float = 1.0, **adamw: float) -> float:
         """Median seconds of what the runtime's ``OPT`` action does on this machine: the
@@ -260,6 +293,7 @@ def profile_stage(
             prof,
             fwd_fraction=float(np.median(timer.forward_fractions)),
             optimizer_time=timer.optimizer_time(repeats),
+            wgrad_fraction=timer.wgrad_fraction(sizes[0], seq_len),
         )
     finally:
         torch.set_num_threads(before)

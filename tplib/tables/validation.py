@@ -3,7 +3,8 @@
 Each stage of a K-stage pipeline is profiled here, the link between two local processes
 is measured, and the simulator prices GPipe and TeraPipe with those costs; then the real
 runtime trains the same configurations on local processes. The target: the simulator
-within 10% of the measured median latency for ``gpipe`` and ``terapipe`` on 2 stages.
+within 10% of the measured median latency for ``gpipe``, ``terapipe`` and
+``terapipe-zb`` (split backwards, weight gradients fused per sequence) on 2 stages.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def measure(
     pipeline_batch: int = 1,
     seq_len: int = 1024,
     n_slices: int = 8,
-    schedules: Sequence[str] = ("gpipe", "terapipe"),
+    schedules: Sequence[str] = ("gpipe", "terapipe", "terapipe-zb"),
     iters: int = 5,
     warmup: int = 1,
     *,
@@ -82,6 +83,7 @@ def measure(
                     **m.row(),
                     "holdout_error": max(max(pr.holdout_error) for pr in profiles),
                     "fwd_fraction": statistics.fmean(pr.fwd_fraction for pr in profiles),
+                    "wgrad_fraction": statistics.fmean(pr.wgrad_fraction for pr in profiles),
                     "link_bandwidth": bench.link.bandwidth,
                     "link_latency": bench.link.latency,
                     "threads": profiles[0].threads,
