@@ -103,11 +103,11 @@ def terapipe_zb(n_stages: int, plan: Plan) -> Schedule:
     idles. Clock cycles on K=3 stages for the plan ``[(1, [2, 2])] * 2`` (two sequences
     of two token slices), one step per action, free communication::
 
-        step    |    0        1        2        3        4        5        6        7        8        9       10       11       12
-        --------+---------------------------------------------------------------------------------------------------------------------
-        stage 0 | F b0 t0  F b0 t1  F b1 t0  F b1 t1                             B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
-        stage 1 |          F b0 t0  F b0 t1  F b1 t0  F b1 t1           B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
-        stage 2 |                   F b0 t0  F b0 t1  F b1 t0  F b1 t1  B b1 t1  B b1 t0  B b0 t1  B b0 t0    W b1     W b0
+        step    |    0        1        2        3        4        5        6        7        8        9       10       11       12       13
+        --------+------------------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0  F b0 t1  F b1 t0  F b1 t1                                      B b1 t1  B b1 t0  B b0 t1  B b0 t0  W b1     W b0
+        stage 1 |          F b0 t0  F b0 t1  F b1 t0  F b1 t1                    B b1 t1  B b1 t0  B b0 t1  B b0 t0  W b1     W b0
+        stage 2 |                   F b0 t0  F b0 t1  F b1 t0  F b1 t1  B b1 t1  B b1 t0  B b0 t1  B b0 t0  W b1     W b0
     """
     _check_stages(n_stages)
     fwd = list(plan.units())
