@@ -4,8 +4,11 @@ replay, grid and CSV."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
+import re
 import textwrap
+from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
@@ -17,6 +20,7 @@ from tplib.plan import Plan
 from tplib.schedule import (
     SCHEDULES,
     UPDATE,
+    WHOLE_SEQUENCE,
     Action,
     Kind,
     Schedule,
@@ -31,6 +35,7 @@ from tplib.schedule import (
     terapipe,
     validate,
 )
+from tplib.schedule.generators import one_f_one_b_zb, terapipe_zb
 
 PLANS = [
     Plan.from_paper("[(1, [8])]"),
@@ -211,7 +216,9 @@ def test_stage_count_must_be_positive(name: str) -> None:
 
 
 def test_add_communication_wants_no_communication() -> None:
-    with pytest.raises(ValueError, match="expects a schedule of forwards, backwards and updates"):
+    with pytest.raises(
+        ValueError, match="expects a schedule of forwards, backwards, weight gradients and updates"
+    ):
         add_communication(terapipe(2, PLANS[0]))
 
 
@@ -373,7 +380,7 @@ def test_update_actions_have_no_unit(kind: Kind) -> None:
 def test_kinds_are_typed_and_compare_as_text() -> None:
     assert Action(Kind.F, 0, 0, 0).kind is Kind.F  # text is turned into the enum
     assert Kind.SA == "SA" and f"{Kind.OPT}" == "OPT"
-    assert {k.value for k in Kind} == {"F", "B", "SA", "RA", "SG", "RG", "AR", "OPT"}
+    assert {k.value for k in Kind} == {"F", "B", "SA", "RA", "SG", "RG", "W", "AR", "OPT"}
 
 
 def test_action_rejects_bad_text() -> None:
@@ -404,3 +411,225 @@ def test_csv_round_trip_file(tmp_path: object) -> None:
         text = f.read()
     assert "stage,index,kind,b,t,v" in text and "\n3,0,RA,0,0,-1\n" in text
     assert "AR,-1,-1,-1" in text and "OPT,-1,-1,-1" in text
+
+
+# ---- split backwards: W actions, terapipe-zb and 1f1b-zb -----------------------------
+
+ZB_NAMES = ("terapipe-zb", "1f1b-zb")
+ZB_PLANS = [
+    Plan((1, 1), ((7, 1, 8), (3, 13))),  # uneven slices, M differs per batch slice
+    Plan.uniform(4, 16, n_token_slices=4),
+    Plan.gpipe(4, 16),  # microbatches: one token slice each
+    Plan((2, 1, 3), ((16,), (16,), (16,))),  # microbatches of different sizes
+    Plan.from_paper("[(2, [2, 6]), (1, [1] * 8), (3, [4, 4])]"),
+    Plan.from_paper("[(1, [8]), (1, [1, 1, 1, 5])]"),
+]
+
+
+def pending_w(s: Schedule, k: int) -> list[tuple[Action, set[int]]]:
+    """Each work action of stage k with the sequences whose last B (t0) has run and
+    whose W has not, just before the action."""
+    out: list[tuple[Action, set[int]]] = []
+    waiting: set[int] = set()
+    for a in s.actions[k]:
+        if a.kind not in (Kind.F, Kind.B, Kind.W):
+            continue
+        out.append((a, set(waiting)))
+        if a.kind is Kind.B and a.t == 0:
+            waiting.add(a.b)
+        elif a.kind is Kind.W:
+            waiting.discard(a.b)
+    return out
+
+
+def test_whole_sequence_w_text_round_trip() -> None:
+    w = Action.parse("W b0", 2)
+    assert w == Action(Kind.W, 2, 0, WHOLE_SEQUENCE)
+    assert w.whole_sequence and str(w) == "W b0"
+    unit = Action.parse("W b1 t2", 0)
+    assert unit == Action(Kind.W, 0, 1, 2)
+    assert not unit.whole_sequence and str(unit) == "W b1 t2"
+    assert Action.parse(str(unit), 0) == unit and Action.parse(str(w), 2) == w
+    # Only W takes a whole sequence, and a W names no weight version.
+    assert not Action(Kind.B, 0, 1, 0).whole_sequence
+    with pytest.raises(ValueError, match="non-negative"):
+        Action(Kind.B, 0, 1, WHOLE_SEQUENCE)
+    with pytest.raises(ValueError, match="non-negative"):
+        Action(Kind.W, 0, -1, WHOLE_SEQUENCE)
+    with pytest.raises(ValueError, match="weight version"):
+        Action(Kind.W, 0, 0, 0, v=1)
+    with pytest.raises(ValueError, match="cannot parse"):
+        Action.parse("W b0 t1 v0", 0)
+
+
+@pytest.mark.parametrize("name", ZB_NAMES)
+def test_zero_bubble_csv_round_trip(name: str) -> None:
+    s = make_schedule(name, 3, Plan((1, 1), ((7, 1, 8), (3, 13))))
+    buf = io.StringIO()
+    s.to_csv(buf)
+    text = buf.getvalue()
+    assert ",W,1,-1,-1\n" in text  # a whole-sequence W is written with t = -1
+    buf.seek(0)
+    back = Schedule.from_csv(buf)
+    assert back == s and back.split_backward
+    validate(back)
+
+
+@pytest.mark.parametrize("plan", ZB_PLANS, ids=str)
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ZB_NAMES)
+def test_zero_bubble_schedules_validate(name: str, n_stages: int, plan: Plan) -> None:
+    s = make_schedule(name, n_stages, plan)
+    assert s.split_backward and not make_schedule(name.removesuffix("-zb"), 1, plan).split_backward
+    base = SCHEDULES[name.removesuffix("-zb")](n_stages, plan)
+    for k in range(n_stages):
+        # The forwards and backwards are the unsplit schedule's, in its order ...
+        assert compute(s, k) == compute(base, k)
+        # ... and every sequence's weight gradients are one whole-sequence W.
+        ws = [a for a in s.actions[k] if a.kind is Kind.W]
+        assert all(a.whole_sequence for a in ws)
+        assert sorted(a.b for a in ws) == list(range(plan.n_batch_slices))
+    validate(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans(), n_stages=st.integers(1, 4), name=st.sampled_from(ZB_NAMES))
+def test_random_plans_validate_under_zero_bubble(plan: Plan, n_stages: int, name: str) -> None:
+    validate(SCHEDULES[name](n_stages, plan))
+
+
+def test_terapipe_zb_exact() -> None:
+    s = terapipe_zb(2, Plan.from_paper("[(1, [1, 1]), (1, [2])]"))
+    expected = ["F b0 t0", "F b0 t1", "F b1 t0", "B b1 t0", "B b0 t1", "B b0 t0"]
+    for k in range(2):
+        work = [str(a) for a in s.actions[k] if a.kind in (Kind.F, Kind.B, Kind.W)]
+        # W after every B, sequences in the order their backwards finished.
+        assert work == [*expected, "W b1", "W b0"]
+
+
+def _documented(function: Callable[[int, Plan], Schedule]) -> tuple[str, int, Plan]:
+    doc = inspect.getdoc(function) or ""
+    m = re.search(r"on K=(\d+)\s+stages\s+for\s+the\s+plan\s+``([^`]+)``", doc)
+    assert m is not None, f"{function.__name__}'s docstring names no K and plan"
+    return doc, int(m[1]), Plan.from_paper(m[2])
+
+
+@pytest.mark.parametrize("function", [terapipe_zb, one_f_one_b_zb], ids=lambda f: f.__name__)
+def test_zero_bubble_docstring_tables_match_generators(
+    function: Callable[[int, Plan], Schedule],
+) -> None:
+    doc, n_stages, plan = _documented(function)
+    table = textwrap.indent(format_grid(function(n_stages, plan)), "    ")
+    assert table in doc, f"{function.__name__}'s clock table is not format_grid's:\n{table}"
+
+
+def test_1f1b_zb_docstring_step_counts() -> None:
+    # "15 steps, where 1f1b with its two-step backwards takes 18"
+    _, n_stages, plan = _documented(one_f_one_b_zb)
+    zb = replay(one_f_one_b_zb(n_stages, plan), lambda a: 1.0 if a.kind in "FBW" else 0.0)
+    assert max(ta.end for ta in zb) == 15
+    base = replay(one_f_one_b(n_stages, plan), lambda a: {"F": 1.0, "B": 2.0}.get(a.kind, 0.0))
+    assert max(ta.end for ta in base) == 18
+
+
+BOUND_PLANS = [*ZB_PLANS, Plan.gpipe(8, 4), Plan.uniform(6, 8, n_token_slices=2)]
+
+
+def _assert_1f1b_zb_bound(s: Schedule) -> None:
+    """Stage k runs a forward with at most K-k sequences waiting for their W; until its
+    last forward, at most K-k+1 wait (one B between two forwards adds one)."""
+    n = s.n_stages
+    for k in range(n):
+        work = pending_w(s, k)
+        last_forward = max(i for i, (a, _) in enumerate(work) if a.kind is Kind.F)
+        for i, (a, waiting) in enumerate(work):
+            if a.kind is Kind.F:
+                assert len(waiting) <= n - k, (k, str(a), waiting)
+            if i <= last_forward:
+                assert len(waiting) <= n - k + 1, (k, str(a), waiting)
+
+
+@pytest.mark.parametrize("plan", BOUND_PLANS, ids=str)
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4, 6])
+def test_1f1b_zb_bounds_the_pending_weight_gradients(n_stages: int, plan: Plan) -> None:
+    _assert_1f1b_zb_bound(one_f_one_b_zb(n_stages, plan))
+
+
+def test_1f1b_zb_bound_is_reached() -> None:
+    """The bound binds: on 8 microbatches stages 1 and 2 reach it. There the forcing
+    rule is what runs their W between forwards: without it (tried by editing the
+    generator) the three stages ran forwards with 5, 6 and 7 sequences' W waiting."""
+    s = one_f_one_b_zb(3, Plan.gpipe(8, 4))
+    peaks = [max(len(w) for a, w in pending_w(s, k) if a.kind is Kind.F) for k in range(3)]
+    assert peaks[1:] == [2, 1]  # = K - k on stages 1 and 2
+    # After the last forward nothing forces a W: the drain may hold more (not bounded).
+    k1 = pending_w(one_f_one_b_zb(1, Plan.from_paper("[(1, [1] * 5)] + [(1, [5])] * 6")), 0)
+    assert max(len(w) for _, w in k1) > 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans(), n_stages=st.integers(1, 6))
+def test_1f1b_zb_bound_on_random_plans(plan: Plan, n_stages: int) -> None:
+    _assert_1f1b_zb_bound(one_f_one_b_zb(n_stages, plan))
+
+
+ZB_PLAN = Plan.from_paper("[(1, [1, 1])] * 2")
+
+
+def _terapipe_zb_stage(k: int, work: list[str]) -> Schedule:
+    """terapipe-zb on 2 stages of ZB_PLAN with stage k's W actions replaced by ``work``
+    (appended after its backwards, before its update)."""
+    s = terapipe_zb(2, ZB_PLAN)
+    acts = [a for a in s.actions[k] if a.kind is not Kind.W]
+    update = acts[-2:]
+    return with_stage(s, k, [*acts[:-2], *(Action.parse(w, k) for w in work), *update])
+
+
+def test_zero_bubble_mixed_w_validates() -> None:
+    # A sequence's W per unit (in any order after each B) or whole: both are complete.
+    validate(_terapipe_zb_stage(1, ["W b0 t1", "W b1", "W b0 t0"]))
+    s = terapipe_zb(2, ZB_PLAN)
+    acts = list(s.actions[0])
+    # A per-unit W may run as soon as its own unit's B has: before the sequence's t0.
+    acts.remove(Action(Kind.W, 0, 1, WHOLE_SEQUENCE))
+    acts.insert(acts.index(Action(Kind.B, 0, 1, 1)) + 1, Action(Kind.W, 0, 1, 1))
+    acts.insert(acts.index(Action(Kind.B, 0, 1, 0)) + 1, Action(Kind.W, 0, 1, 0))
+    validate(with_stage(s, 0, acts))
+
+
+def test_catches_a_missing_w() -> None:
+    s = _terapipe_zb_stage(0, ["W b1"])
+    assert_caught(s, "B b0 t0", "stage 0 never computes the weight gradients", "b=0, t=0")
+    partial = _terapipe_zb_stage(1, ["W b1", "W b0 t0"])  # b0 t1 left out
+    assert_caught(partial, "B b0 t1", "stage 1 never computes", "b=0, t=1")
+
+
+def test_catches_a_w_twice() -> None:
+    error = assert_caught(_terapipe_zb_stage(0, ["W b1", "W b0", "W b1"]), "W b1", "already")
+    assert error.actions == (Action(Kind.W, 0, 1, WHOLE_SEQUENCE),) * 2
+    assert_caught(_terapipe_zb_stage(1, ["W b0", "W b1 t1", "W b1", "W b1 t1"]), "W b1", "already")
+
+
+def test_catches_a_unit_w_and_its_sequences_w() -> None:
+    s = _terapipe_zb_stage(0, ["W b1", "W b0 t1", "W b0"])
+    error = assert_caught(s, "W b0 t1", "W b0 on stage 0", "b=0, t=1", "already computed")
+    assert Action(Kind.W, 0, 0, 1) in error.actions and Action(Kind.W, 0, 0, -1) in error.actions
+
+
+def test_catches_a_w_before_its_b() -> None:
+    s = terapipe_zb(2, ZB_PLAN)
+    acts = list(s.actions[1])
+    w = acts.pop(acts.index(Action(Kind.W, 1, 0, WHOLE_SEQUENCE)))
+    # After b0's last slice's backward but before its first's: the sequence is unfinished.
+    acts.insert(acts.index(Action(Kind.B, 1, 0, 1)) + 1, w)
+    assert_caught(with_stage(s, 1, acts), "W b0", "W b0 on stage 1 runs before B b0 t0")
+    acts = [a for a in s.actions[0] if a != Action(Kind.W, 0, 1, WHOLE_SEQUENCE)]
+    acts.insert(0, Action(Kind.W, 0, 1, 0))
+    acts.insert(acts.index(Action(Kind.B, 0, 1, 1)) + 1, Action(Kind.W, 0, 1, 1))
+    assert_caught(with_stage(s, 0, acts), "W b1 t0", "W b1 t0 on stage 0 runs before B b1 t0")
+
+
+@pytest.mark.parametrize("bad", ["W b2", "W b0 t2", "W b5 t0"])
+def test_catches_a_w_of_a_unit_not_in_the_plan(bad: str) -> None:
+    s = _terapipe_zb_stage(0, ["W b1", "W b0", bad])
+    assert_caught(s, bad, bad, "not in the plan")
