@@ -19,6 +19,7 @@ from tplib.schedule import Action, Kind, Schedule, ScheduleError, make_schedule
 from tplib.simulate import (
     TIMELINE_COLUMNS,
     ConstantCosts,
+    SliceModelCosts,
     costs_from_slice_model,
     simulate,
     simulate_plan,
@@ -212,3 +213,128 @@ def test_plot_timeline_draws_simulated_and_measured_traces() -> None:
     with pytest.raises(ValueError, match="lacks columns"):
         plot_timeline(r.timeline.drop(columns=["kind"]))
     matplotlib.pyplot.close("all")
+
+
+# ---- split backwards (terapipe-zb) ------------------------------------------------------
+#
+# ConstantCosts(t_f, t_b, t_w) under terapipe-zb: each F costs t_f, each B the backward
+# less its unit's weight gradients (t_b - t_w), and a sequence's W t_w per token slice.
+
+
+@pytest.mark.parametrize(
+    ("n_stages", "text", "costs", "want_zb", "want_terapipe"),
+    [
+        # K=1, three units: F 3 x 1, B 3 x (2-1), W b0 over 3 slices 3 x 1 -> 9; unsplit 3 x 3.
+        (1, "[(1, [2, 2, 2])]", (1, 2, 1), 9.0, 9.0),
+        # K=2, units u0, u1 of one sequence. Stage 0: F u0 [0,1], F u1 [1,2]. Stage 1:
+        # F [1,2], [2,3]; B u1 [3,4], B u0 [4,5]; W b0 (2 slices) [5,7]. Stage 0: B u1
+        # when stage 1's ends [4,5], B u0 [5,6], W b0 [6,8] -> 8. Unsplit: stage 1's B
+        # [3,5], [5,7]; stage 0's [5,7], [7,9] -> 9.
+        (2, "[(1, [2, 2])]", (1, 2, 1), 8.0, 9.0),
+        # K=2, two sequences of one slice: as above but W b1 [5,6], W b0 [6,7] on stage 1
+        # and [6,7], [7,8] on stage 0 -> 8; unsplit 9.
+        (2, "[(1, [2])] * 2", (1, 2, 1), 8.0, 9.0),
+        # K=3, the docstring's plan: four units; stage k's F of unit i in [k+i, k+i+1].
+        # Stage 2: B [6,7] .. [9,10], W b1 [10,12], W b0 [12,14]. Stage 1: B from 7 to 11,
+        # W to 15. Stage 0: B from 8 to 12, W b1 [12,14], W b0 [14,16] -> 16.
+        # Unsplit: (4 units + 2) x 3 = 18.
+        (3, "[(1, [2, 2])] * 2", (1, 2, 1), 16.0, 18.0),
+        # K=2, t_b=3, t_w=2: B costs 1, W 2 per slice. Stage 1: F to 3, B [3,4], [4,5],
+        # W b0 [5,9]; stage 0: B [4,5], [5,6], W b0 [6,10] -> 10. Unsplit: stage 1 B
+        # [3,6], [6,9]; stage 0 [6,9], [9,12] -> 12.
+        (2, "[(1, [2, 2])]", (1, 3, 2), 10.0, 12.0),
+        # K=2, b0 of three slices, b1 of one. Stage 1: F to 5; B b1t0, b0t2, b0t1, b0t0
+        # in [5,9]; W b1 [9,10], W b0 [10,13]. Stage 0: B in [6,10], W b1 [10,11],
+        # W b0 [11,14] -> 14. Unsplit: (4 + 1) x 3 = 15.
+        (2, "[(1, [1, 1, 2]), (1, [4])]", (1, 2, 1), 14.0, 15.0),
+    ],
+)
+def test_terapipe_zb_latency_by_hand(
+    n_stages: int,
+    text: str,
+    costs: tuple[float, float, float],
+    want_zb: float,
+    want_terapipe: float,
+) -> None:
+    plan = Plan.from_paper(text)
+    c = ConstantCosts(t_f=costs[0], t_b=costs[1], t_w=costs[2])
+    assert simulate_plan("terapipe-zb", n_stages, plan, c).latency == pytest.approx(want_zb)
+    assert simulate_plan("terapipe", n_stages, plan, c).latency == pytest.approx(want_terapipe)
+
+
+@pytest.mark.parametrize("text", PLANS)
+@pytest.mark.parametrize("n_stages", [1, 3, 8])
+def test_terapipe_zb_closed_form_on_constant_costs(text: str, n_stages: int) -> None:
+    """With U units: stage K-1 ends its forwards at (U + K - 1) t_f; the split
+    backwards then flow to stage 0, which ends them (U + K - 1)(t_b - t_w) later, and
+    runs its W (U t_w in all) last."""
+    plan = Plan.from_paper(text)
+    t_f, t_b, t_w = 1.0, 3.0, 1.25
+    r = simulate_plan("terapipe-zb", n_stages, plan, ConstantCosts(t_f, t_b, t_w=t_w))
+    u, k = plan.n_units, n_stages
+    assert r.latency == pytest.approx((u + k - 1) * (t_f + t_b - t_w) + u * t_w)
+
+
+def test_terapipe_zb_timeline_has_w_rows() -> None:
+    plan = Plan.from_paper("[(1, [2, 2])] * 2")
+    r = simulate_plan("terapipe-zb", 3, plan, ConstantCosts(1.0, 2.0, t_w=1.0))
+    tl = r.timeline
+    assert set(tl["kind"]) == {"F", "B", "W", "SA", "RA", "SG", "RG", "AR", "OPT"}
+    w = tl[tl.kind == "W"]
+    assert len(w) == 3 * plan.n_batch_slices and (w["t"] == -1).all()
+    assert np.allclose(w["end"] - w["start"], 2.0)  # t_w per token slice, 2 slices
+    b = tl[tl.kind == "B"]
+    assert np.allclose(b["end"] - b["start"], 1.0)  # t_b - t_w
+    stage0 = w[w.stage == 0].sort_values("start")
+    assert list(stage0["b"]) == [1, 0]
+    assert list(zip(stage0["start"], stage0["end"], strict=True)) == [(12.0, 14.0), (14.0, 16.0)]
+    stage2 = w[w.stage == 2].sort_values("start")
+    assert list(zip(stage2["start"], stage2["end"], strict=True)) == [(10.0, 12.0), (12.0, 14.0)]
+    # Busy time counts the W: every stage does 4 F + 4 B + 4 W-slices of work.
+    assert np.allclose(r.busy, 4 * 1.0 + 4 * 1.0 + 4 * 1.0)
+
+
+@pytest.mark.parametrize("text", PLANS)
+@pytest.mark.parametrize("n_stages", [1, 2, 4, 8])
+def test_terapipe_zb_is_no_slower_than_terapipe(text: str, n_stages: int) -> None:
+    plan = Plan.from_paper(text)
+    for costs in (
+        ConstantCosts(1.0, 2.0, t_w=1.0),
+        SliceModelCosts(AttentionLikeCost(), wgrad_fraction=0.3),
+    ):
+        zb = simulate_plan("terapipe-zb", n_stages, plan, costs).latency
+        base = simulate_plan("terapipe", n_stages, plan, costs).latency
+        assert zb <= base * (1 + 1e-12)
+        if n_stages > 1:
+            assert zb < base  # stage 0 gets its gradients sooner
+
+
+class NoWeightGradCosts:
+    """ActionCosts that cannot price a W."""
+
+    blocking_sends = False
+
+    def compute(self, stage: int, action: Action, plan: Plan) -> float:
+        return 1.0
+
+    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
+        return 0.0
+
+    def allreduce(self, stage: int) -> float:
+        return 0.0
+
+    def optimizer(self, stage: int) -> float:
+        return 0.0
+
+
+def test_split_schedules_need_split_backward_costs() -> None:
+    plan = Plan.uniform(2, 16, n_token_slices=2)
+    # Unsplit it simulates: 4 units, F and B 1 each, on 2 stages: (4 + 1) x 2.
+    assert simulate_plan("terapipe", 2, plan, NoWeightGradCosts()).latency == pytest.approx(10.0)
+    for name in ("terapipe-zb", "1f1b-zb"):
+        with pytest.raises(ValueError, match="SplitBackwardCosts") as info:
+            simulate_plan(name, 2, plan, NoWeightGradCosts())
+        assert "NoWeightGradCosts" in str(info.value)
+    # A W dearer than its backward would leave B a negative time.
+    with pytest.raises(ValueError, match="finite, non-negative"):
+        simulate_plan("terapipe-zb", 2, plan, ConstantCosts(1.0, 2.0, t_w=2.5))
