@@ -268,3 +268,17 @@ def test_measured_savings_of_1f1b_and_recomputation(
         none, full = peaks(schedule, "none"), peaks(schedule, "full")
         for stage in range(2):
             assert full[stage] < none[stage], (schedule, stage, full, none)
+
+
+def test_peak_in_flight_keeps_deferred_weight_inputs_until_their_w() -> None:
+    """Split backwards: from a unit's B to the W that covers it, ``deferred(u)`` stays."""
+    deferred = {u: 0.5 * s for u, s in SIZES.items()}
+    actions = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "F b1 t0", "W b0", "B b1 t0")
+    # F b1 t0 while b0's two units wait for W b0: 1000 + 0.5 + 5 = 1005.5.
+    assert peak_in_flight(actions, _kept, deferred=deferred.__getitem__) == 1005.5
+    # With W b0 before F b1 t0 the peak is b1 alone.
+    early = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "W b0", "F b1 t0", "B b1 t0")
+    assert peak_in_flight(early, _kept, deferred=deferred.__getitem__) == 1000.0
+    # A per-unit W releases only its unit: W b0 t1 leaves t0's 0.5.
+    per_unit = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "W b0 t1", "F b1 t0")
+    assert peak_in_flight(per_unit, _kept, deferred=deferred.__getitem__) == 1000.5

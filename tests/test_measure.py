@@ -73,6 +73,7 @@ def test_pipeline_profiles_time_the_real_stages(profiles: list[Profile]) -> None
     assert [p.layers_per_stage for p in profiles] == [2, 2]
     for p in profiles:
         assert 0 < p.fwd_fraction < 1 and p.optimizer_time > 0
+        assert 0 < p.wgrad_fraction < 1 - p.fwd_fraction
         assert p.threads == machine.threads_per_process(2)
 
 
@@ -97,6 +98,27 @@ def test_local_costs_drive_the_simulator(profiles: list[Profile], link: Link) ->
         link.latency + nbytes / link.bandwidth
     )
     assert costs.optimizer(0) == profiles[0].optimizer_time
+
+
+def test_local_costs_price_split_backwards(profiles: list[Profile], link: Link) -> None:
+    """terapipe-zb: B + W of a unit is the unit's measured backward; a whole sequence's W
+    is the measured weight-gradient share of the whole-sequence slice time."""
+    costs = local_costs(profiles, link)
+    p = Plan.uniform(1, 64, n_token_slices=4)
+    sim = simulate(make_schedule("terapipe-zb", 2, p), costs)
+    tl = sim.timeline[sim.timeline.stage == 1]
+    span = (tl.end - tl.start).groupby(tl.kind).sum()
+    whole = float(profiles[1].compute_time(1, np.array([64]), np.array([0]))[0])
+    assert span["W"] == pytest.approx(profiles[1].wgrad_fraction * whole)
+    # F and B of the four units are their slice times less each unit's own share of W.
+    units = sum(
+        float(profiles[1].compute_time(1, np.array([16]), np.array([16 * t]))[0])
+        for t in range(4)
+    )
+    per_unit_w = 4 * profiles[1].wgrad_fraction * float(
+        profiles[1].compute_time(1, np.array([16]), np.array([0]))[0]
+    )
+    assert span["F"] + span["B"] == pytest.approx(units - per_unit_w)
 
 
 def test_allreduce_covers_the_tied_embedding_and_the_replicas(

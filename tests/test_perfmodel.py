@@ -252,3 +252,14 @@ tplib.perfmodel.StageTimer
 assert "torch" in sys.modules, "the timer loads on first use"
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_weight_gradient_share_prices_whole_sequences() -> None:
+    prof = analytic_profile()
+    with pytest.raises(ProfileError, match="no weight-gradient measurement"):
+        prof.wgrad_time(1, np.array([64]))
+    measured = Profile.from_dict({**prof.to_dict(), "wgrad_fraction": 0.25})
+    # A quarter of t(b, l, 0) of the analytic stage: b * (1e-3 + 2e-6 l).
+    np.testing.assert_allclose(measured.wgrad_time(2, np.array([64])), 0.25 * 2 * (1e-3 + 128e-6))
+    with pytest.raises(ProfileError, match="wgrad_fraction"):
+        Profile.from_dict({**prof.to_dict(), "wgrad_fraction": 1 - prof.fwd_fraction})
