@@ -17,11 +17,12 @@ from tplib.cluster import (
     ClusterCostModel,
     fit_calibration,
 )
-from tplib.paper import GPIPE, SETTINGS, TERAPIPE, main_row
+from tplib.paper import GPIPE, SETTINGS, TERAPIPE, main_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
-from tplib.schedule import Action, Kind, make_schedule
-from tplib.simulate import simulate
+from tplib.schedule import WHOLE_SEQUENCE, Action, Kind, make_schedule
+from tplib.simulate import action_cost, simulate
+from tplib.tables.settings import cost_model, simulate_on_cluster
 
 FITTED = [f for fields, _ in FIT_STAGES for f in fields]
 
@@ -165,3 +166,74 @@ def test_recomputation_costs_a_forward_and_saves_activations() -> None:
     assert rebuilt.activations == pytest.approx(inputs + kept.activations / s.pipeline_batch)
     with pytest.raises(ValueError, match=r"recompute='some'"):
         ClusterCostModel(s.config, n_stages=s.n_stages, recompute="some")
+
+
+# ---- split backwards: W and the split B ---------------------------------------------------
+
+
+def _whole_and_parts(m: ClusterCostModel, stage: int, plan: Plan, b: int) -> tuple[float, float]:
+    """A batch slice's W over its whole sequence, and the sum of its units' W."""
+    whole = m.weight_grad(stage, Action(Kind.W, stage, b, WHOLE_SEQUENCE), plan)
+    parts = sum(
+        m.weight_grad(stage, Action(Kind.W, stage, b, t), plan)
+        for t in range(plan.n_token_slices(b))
+    )
+    return whole, parts
+
+
+@pytest.mark.parametrize("index", sorted(SETTINGS))
+def test_fusing_a_sequences_weight_grads_never_costs_more(index: int) -> None:
+    s = setting(index)
+    m = cost_model(s)
+    one = Plan.gpipe(2, s.seq_len)
+    for k in (0, s.n_stages - 1):
+        whole, parts = _whole_and_parts(m, k, one, 0)
+        assert 0 < whole == parts  # one token slice: the same product
+        ratios = []
+        for per in (512, 128, 16):  # ever shorter slices of one batch slice of 2
+            p = Plan((2,), ((per,) * (s.seq_len // per),))
+            whole, parts = _whole_and_parts(m, k, p, 0)
+            assert whole < parts, per
+            ratios.append(whole / parts)
+        # The shorter the slices, the more the per-product passes over dW weigh.
+        assert ratios[0] > ratios[1] > ratios[2] and ratios[2] < 0.25
+        paper = main_row(index, TERAPIPE).plan
+        for b in range(paper.n_batch_slices):
+            whole, parts = _whole_and_parts(m, k, paper, b)
+            assert whole <= parts * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("index", sorted(SETTINGS))
+def test_a_split_backward_is_never_negative(index: int, recompute: str) -> None:
+    """B of a split schedule costs the backward less its unit's W: the backward holds at
+    least the W's products, down to the shortest slices (host-bound ones included)."""
+    s = setting(index)
+    m = ClusterCostModel(
+        s.config, n_stages=s.n_stages, n_op=s.n_op, n_data=s.n_data, recompute=recompute
+    )
+    L = s.seq_len
+    plans = [
+        main_row(index, TERAPIPE).plan,
+        Plan.from_paper(f"[(1, [8] * {L // 8})]"),
+        Plan.from_paper(f"[(1, [1] * 64 + [{L - 64}])]"),  # one-token slices
+        Plan.from_paper(f"[(4, [16] * {L // 16})]"),
+    ]
+    for p in plans:
+        for k in (0, s.n_stages - 1):
+            for u in p.units():
+                backward = m.compute(k, Action(Kind.B, k, u.b, u.t), p)
+                w = m.weight_grad(k, Action(Kind.W, k, u.b, u.t), p)
+                assert 0 < w < backward, (p, k, u)
+                assert action_cost(m, Action(Kind.B, k, u.b, u.t), p, split_backward=True) == (
+                    pytest.approx(backward - w)
+                )
+
+
+def test_terapipe_zb_simulates_on_the_cluster_faster_than_terapipe() -> None:
+    s = setting(9)
+    p = main_row(9, TERAPIPE).plan
+    zb = simulate_on_cluster(s, p, "terapipe-zb", validate=True)
+    base = simulate_on_cluster(s, p, "terapipe")
+    assert zb.latency < base.latency
+    assert (zb.timeline["kind"] == "W").sum() == s.n_stages * p.n_batch_slices
