@@ -115,15 +115,17 @@ class SliceModelCosts:
     def __post_init__(self) -> None:
         if not 0.0 <= self.fwd_fraction <= 1.0:
             raise ValueError(f"fwd_fraction={self.fwd_fraction} must lie in [0, 1]")
-        if not 0.0 <= self.wgrad_fraction <= 1.0 - self.fwd_fraction:
-            raise ValueError(
-                f"wgrad_fraction={self.wgrad_fraction} must lie in [0, 1 - fwd_fraction]: "
-                "the weight gradients are part of the backward"
-            )
+        if not 0.0 <= self.wgrad_fraction <= 1.0:
+            raise ValueError(f"wgrad_fraction={self.wgrad_fraction} must lie in [0, 1]")
 
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
         """The weight-gradient share of each covered slice (no gain from fusing: a slice
         cost model knows nothing of products)."""
+        if self.wgrad_fraction > 1.0 - self.fwd_fraction:
+            raise ValueError(
+                f"wgrad_fraction={self.wgrad_fraction} with fwd_fraction={self.fwd_fraction}: "
+                "the weight gradients are part of the backward, at most 1 - fwd_fraction"
+            )
         ts = range(plan.n_token_slices(action.b)) if action.whole_sequence else [action.t]
         units = (Action(Kind.B, stage, action.b, t) for t in ts)
         return sum(self.wgrad_fraction * self._slice_time(*unit_shape(plan, u)) for u in units)

@@ -16,6 +16,11 @@ so Eq. 5 holds with t replaced by tau (``t_max`` now bounds F + B), and the fuse
 slice in its knapsack. Token slicing no longer pays for the weight gradients: a slice's
 tau lacks them, so the DP cuts finer than it does for ``terapipe``.
 
+T_zb is exact when each slice's F and B share the largest tau; in general the
+fill-drain latency of ``terapipe-zb`` on equal stages with free communication is
+sum tau + (K - 1) * (max F + max B) + sum W, so T_zb is a lower bound that can break a
+tie the wrong way (by 0.6% on the brute-force grids of the tests).
+
 A cost model prices the weight gradients through :class:`WeightGradModel`.
 """
 

@@ -162,7 +162,8 @@ def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
     step and a ``W`` one step per token slice of its sequence. A stage whose next
     forward or backward is not ready (its input has not arrived) runs its oldest pending
     ``W`` instead; stage k also runs one before a forward once more than K-k are pending,
-    which bounds what it keeps for them; the rest end the stage. Clock cycles on K=3
+    which bounds what it keeps for them until its last forward (in the drain they wait for
+    the stage's gaps, or its end). Clock cycles on K=3
     stages for the plan ``[(1, [2])] * 4`` (four sequences of one token slice), one step
     per action, free communication: 15 steps, where ``1f1b`` with its two-step backwards
     takes 18::
