@@ -112,11 +112,12 @@ def test_local_costs_price_split_backwards(profiles: list[Profile], link: Link) 
     assert span["W"] == pytest.approx(profiles[1].wgrad_fraction * whole)
     # F and B of the four units are their slice times less each unit's own share of W.
     units = sum(
-        float(profiles[1].compute_time(1, np.array([16]), np.array([16 * t]))[0])
-        for t in range(4)
+        float(profiles[1].compute_time(1, np.array([16]), np.array([16 * t]))[0]) for t in range(4)
     )
-    per_unit_w = 4 * profiles[1].wgrad_fraction * float(
-        profiles[1].compute_time(1, np.array([16]), np.array([0]))[0]
+    per_unit_w = (
+        4
+        * profiles[1].wgrad_fraction
+        * float(profiles[1].compute_time(1, np.array([16]), np.array([0]))[0])
     )
     assert span["F"] + span["B"] == pytest.approx(units - per_unit_w)
 
