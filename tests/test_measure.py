@@ -277,6 +277,6 @@ def test_validation_notebook_runs_under_papermill(link: Link, tmp_path: Path) ->
         progress_bar=False,
     )
     df = pd.read_csv(tmp_path / "simulator_validation-test.csv")
-    assert list(df.schedule) == ["gpipe", "terapipe"] and (df.latency > 0).all()
+    assert list(df.schedule) == ["gpipe", "terapipe", "terapipe-zb"] and (df.latency > 0).all()
     assert (tmp_path / "simulator_validation-test.png").read_bytes()[:4] == b"\x89PNG"
-    assert math.isfinite(df.err_simulated_latency.iloc[1])
+    assert df.err_simulated_latency.iloc[1:].map(math.isfinite).all()
