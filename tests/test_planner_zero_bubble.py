@@ -17,12 +17,12 @@ changes with K.
 
 from __future__ import annotations
 
-import itertools
 from functools import cache
 
 import numpy as np
 import pytest
 
+from tests.test_planner import compositions
 from tplib.plan import Plan
 from tplib.planner.zero_bubble import plan_zero_bubble, zero_bubble_latency
 from tplib.schedule import Action, Kind
@@ -107,18 +107,9 @@ class SplitCosts:
 
 
 @cache
-def compositions(n: int) -> tuple[tuple[int, ...], ...]:
-    """Every slicing of n grid steps into positive parts, in order (in tokens)."""
-    out = []
-    for cuts in itertools.product((False, True), repeat=n - 1):
-        parts, last = [], 0
-        for pos, cut in enumerate(cuts, start=1):
-            if cut:
-                parts.append(pos - last)
-                last = pos
-        parts.append(n - last)
-        out.append(tuple(p * G for p in parts))
-    return tuple(out)
+def slicings_of(seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Every slicing of ``seq_len`` tokens on the grid of G, in order (in tokens)."""
+    return tuple(tuple(p * G for p in parts) for parts in compositions(seq_len // G))
 
 
 def parts_fb(model: ZeroBubbleCost, b: int, slices: tuple[int, ...]) -> list[tuple[float, float]]:
@@ -161,7 +152,7 @@ def all_plans(seq_len: int, batch: int) -> list[Plan]:
     """Every plan of ``batch`` (1 or 2) sequences on the grid: one batch slice of
     ``batch``, or for 2 two batch slices of one, each with its own slicing (both orders:
     the simulator runs them in plan order)."""
-    slicings = compositions(seq_len // G)
+    slicings = slicings_of(seq_len)
     plans = [Plan((batch,), (s,)) for s in slicings]
     if batch == 2:
         plans += [Plan((1, 1), (s, r)) for s in slicings for r in slicings]
@@ -170,7 +161,7 @@ def all_plans(seq_len: int, batch: int) -> list[Plan]:
 
 def brute_t_zb(model: ZeroBubbleCost, seq_len: int, batch: int, n_stages: int) -> float:
     """min T_zb over all_plans, vectorised over the pairs of slicings."""
-    slicings = compositions(seq_len // G)
+    slicings = slicings_of(seq_len)
     best = np.inf
     for size, count in ((batch, 1), (1, 2)) if batch == 2 else ((1, 1),):
         tau = [slice_taus(model, size, s) for s in slicings]
