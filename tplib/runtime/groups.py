@@ -74,6 +74,16 @@ class RankGroups:
         dist.all_reduce(host, op=op, group=group)
         tensor.copy_(host)
 
+    def all_reduce_flat(self, tensors: list[Tensor], group: Group) -> None:
+        """Sum ``tensors`` in place over ``group`` in one all-reduce of their
+        concatenation (one message instead of one per tensor)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(flat, group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
     def op_group(self) -> OpGroup | None:
         """The model's handle on this stage's #Op group (None without partitioning)."""
         if self.run.n_op == 1:

@@ -351,3 +351,34 @@ class StageMemory:
             source="allocator",
             stashed=stashed,
         )
+
+    @classmethod
+    def measure(
+        cls,
+        module: nn.Module,
+        device: torch.device,
+        meter: MemoryMeter | None,
+        *,
+        optimizer_state_bytes: int = 0,
+        contexts: Iterable[Tensor] = (),
+        stashed: int = 0,
+    ) -> StageMemory | None:
+        """What a rank measured: CUDA's allocator on a GPU, ``meter`` on CPU (None when
+        the CPU run did not count)."""
+        if device.type == "cuda":
+            return cls.allocator(
+                module,
+                device,
+                optimizer_state_bytes=optimizer_state_bytes,
+                contexts=contexts,
+                stashed=stashed,
+            )
+        if meter is None:
+            return None
+        return cls.counted(
+            module,
+            meter,
+            optimizer_state_bytes=optimizer_state_bytes,
+            contexts=contexts,
+            stashed=stashed,
+        )

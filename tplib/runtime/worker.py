@@ -211,17 +211,11 @@ class Worker:
             # the model: each copy gets the sum of both gradients.
             assert shared.grad is not None  # allocated at start, kept between steps
             self.groups.all_reduce(shared.grad, self.groups.tied)
-        group = self.groups.data
-        if group is None:
-            return
-        # The loss is already scaled by the global batch: summing gives the mean's gradient.
-        grads = [p.grad for p in self.params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.groups.all_reduce(flat, group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if self.groups.data is not None:
+            # The loss is already scaled by the global batch: summing gives the mean's
+            # gradient.
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self.groups.all_reduce_flat(grads, self.groups.data)
 
     def step(self, action: Action, it: _Iteration) -> None:
         """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`); under an
@@ -359,25 +353,18 @@ class Worker:
         time.sleep(10 * self.run.timeout_s)  # "hang": stall until killed or timed out
 
     def _memory(self) -> StageMemory | None:
-        if self.device.type == "cpu" and not self.counting:
-            return None
-        buffers = context_tensors(
+        contexts = (
             self.executor.peak_contexts
             if self.asynchronous
             else [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
         )
-        state = self.update.optimizer.state_bytes()
-        stashed = 0 if self.versions is None else self.versions.stash_bytes_peak
-        if self.device.type == "cuda":
-            return StageMemory.allocator(
-                self.stage,
-                self.device,
-                optimizer_state_bytes=state,
-                contexts=buffers,
-                stashed=stashed,
-            )
-        return StageMemory.counted(
-            self.stage, self.meter, optimizer_state_bytes=state, contexts=buffers, stashed=stashed
+        return StageMemory.measure(
+            self.stage,
+            self.device,
+            self.meter if self.counting else None,
+            optimizer_state_bytes=self.update.optimizer.state_bytes(),
+            contexts=context_tensors(contexts),
+            stashed=0 if self.versions is None else self.versions.stash_bytes_peak,
         )
 
     def train(self) -> RankResult:
