@@ -49,18 +49,10 @@ class _LinearAccumulate(torch.autograd.Function):
         (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
         weight: Tensor = ctx.weight  # type: ignore[attr-defined]
         bias: Tensor | None = ctx.bias  # type: ignore[attr-defined]
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if weight.requires_grad:
-            if weight.grad is None:
-                weight.grad = g2.t() @ x2
-            else:
-                weight.grad.addmm_(g2.t(), x2)
-        if bias is not None and bias.requires_grad:
-            if bias.grad is None:
-                bias.grad = g2.sum(0)
-            else:
-                bias.grad.add_(g2.sum(0))
+        # Linear builds this product only for a weight that requires its gradient.
+        weight_grads_now(
+            weight, bias if bias is not None and bias.requires_grad else None, x, grad_out
+        )
         grad_in = grad_out @ weight if ctx.needs_input_grad[0] else None  # type: ignore[attr-defined]
         return grad_in, None, None
 

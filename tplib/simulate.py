@@ -48,6 +48,7 @@ from tplib.schedule import (
     Action,
     Kind,
     Schedule,
+    covered_slices,
     make_schedule,
     replay,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "costs_from_slice_model",
     "simulate",
     "simulate_plan",
+    "split_backward_costs",
 ]
 
 TIMELINE_COLUMNS = ("rank", "stage", "replica", "kind", "b", "t", "start", "end")
@@ -80,14 +82,13 @@ class ConstantCosts:
     t_allreduce: float = 0.0
     t_optimizer: float = 0.0
     blocking_sends: bool = False
-    t_w: float = 1.0  # of t_b, the weight gradients' share: W per token slice, fused or not
+    t_w: float = 1.0  # the weight gradients' part of t_b, per token slice, fused or not
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
         return self.t_f if action.kind is Kind.F else self.t_b
 
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
-        slices = plan.n_token_slices(action.b) if action.whole_sequence else 1
-        return self.t_w * slices
+        return self.t_w * len(covered_slices(plan, action.b, action.t))
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return self.t_send if action.kind in SENDS else self.t_recv
@@ -126,7 +127,7 @@ class SliceModelCosts:
                 f"wgrad_fraction={self.wgrad_fraction} with fwd_fraction={self.fwd_fraction}: "
                 "the weight gradients are part of the backward, at most 1 - fwd_fraction"
             )
-        ts = range(plan.n_token_slices(action.b)) if action.whole_sequence else [action.t]
+        ts = covered_slices(plan, action.b, action.t)
         units = (Action(Kind.B, stage, action.b, t) for t in ts)
         return sum(self.wgrad_fraction * self._slice_time(*unit_shape(plan, u)) for u in units)
 
@@ -172,13 +173,15 @@ _PRICE: dict[Kind, Callable[[ActionCosts, int, Action, Plan], float]] = {
     Kind.RG: lambda c, k, a, p: c.transfer(k, a, p),
     Kind.AR: lambda c, k, a, p: c.allreduce(k),
     Kind.OPT: lambda c, k, a, p: c.optimizer(k),
-    Kind.W: lambda c, k, a, p: _split(c, a).weight_grad(k, a, p),
+    Kind.W: lambda c, k, a, p: split_backward_costs(c, a).weight_grad(k, a, p),
 }
 
 _WHAT = {Kind.AR: "the all-reduce", Kind.OPT: "the optimizer step"}
 
 
-def _split(costs: ActionCosts, action: Action) -> SplitBackwardCosts:
+def split_backward_costs(costs: ActionCosts, action: Action) -> SplitBackwardCosts:
+    """``costs`` as :class:`~tplib.costs.SplitBackwardCosts`, or a ValueError naming
+    ``action`` if they cannot price a ``W``."""
     if not callable(getattr(costs, "weight_grad", None)):
         raise ValueError(
             f"{type(costs).__name__} cannot price {action} of a split-backward schedule: "
@@ -198,7 +201,7 @@ def action_cost(
     cost = float(_PRICE[action.kind](costs, k, action, plan))
     if split_backward and action.kind is Kind.B:
         w = Action(Kind.W, k, action.b, action.t)
-        cost -= float(_split(costs, w).weight_grad(k, w, plan))
+        cost -= float(split_backward_costs(costs, w).weight_grad(k, w, plan))
     if not 0.0 <= cost < math.inf:  # also catches NaN
         what = (
             f"{_WHAT[action.kind]} of stage {k}"

@@ -36,7 +36,7 @@ from tplib.dropout import DropoutKey
 from tplib.linear import Linear
 from tplib.model import GPTStage
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import WHOLE_SEQUENCE
+from tplib.schedule.actions import WHOLE_SEQUENCE, covered_slices
 from tplib.wgrad import DeferredWeightGrads
 
 __all__ = [
@@ -221,8 +221,7 @@ class SliceExecutor:
                 f"weight_grad(b={b}, t={t}) on an executor without split_backward: its "
                 "backwards compute the weight gradients themselves"
             )
-        ts = range(self.plan.n_token_slices(b)) if t == WHOLE_SEQUENCE else [t]
-        self.deferred.compute([Unit(b, s) for s in ts])
+        self.deferred.compute([Unit(b, s) for s in covered_slices(self.plan, b, t)])
 
     @property
     def pending(self) -> list[Unit]:

@@ -35,7 +35,7 @@ from tplib.config import GPTConfig, check_recompute, get_config, n_params_per_la
 from tplib.costs import memo, ring_allreduce, unit_shape
 from tplib.paper import Setting
 from tplib.plan import Plan
-from tplib.schedule import SENDS, Action, Kind, link_of
+from tplib.schedule import SENDS, Action, Kind, covered_slices, link_of
 
 __all__ = ["ClusterCostModel"]
 
@@ -256,10 +256,9 @@ class ClusterCostModel:
         weight, one ``w.grad +=``). A split ``B`` costs the backward less the unit's
         ``W`` (see :class:`~tplib.costs.SplitBackwardCosts`), so the host floor stays
         with ``B``."""
-        size = plan.batch_slices[action.b]
-        if action.whole_sequence:
-            return self._weight_grad(size * sum(plan.token_slices[action.b]))
-        return self._weight_grad(size * plan.token_slices[action.b][action.t])
+        ts = plan.token_slices[action.b]
+        length = sum(ts[t] for t in covered_slices(plan, action.b, action.t))
+        return self._weight_grad(plan.batch_slices[action.b] * length)
 
     @memo
     def _weight_grad(self, tokens: int) -> float:

@@ -18,7 +18,7 @@ from tplib.config import stage_params
 from tplib.costs import Link, memo, ring_allreduce, unit_shape
 from tplib.perfmodel import Profile
 from tplib.plan import Plan
-from tplib.schedule import SENDS, Action, Kind
+from tplib.schedule import SENDS, Action, Kind, covered_slices
 
 __all__ = ["BYTES_PER_ACTIVATION", "BottleneckCost", "LocalCosts", "local_costs"]
 
@@ -31,8 +31,8 @@ class LocalCosts:
 
     ``compute``: stage k's profile, t(b, l, c) without communication, split into forward
     and backward by the stage's measured forward share; ``weight_grad`` (the ``W`` of a
-    split backward), the stage's measured weight-gradient share. ``transfer``: a send occupies the
-    link for its one-way time; a posted receive costs its stage nothing beyond waiting,
+    split backward), the stage's measured weight-gradient share. ``transfer``: a send
+    occupies the link for its one-way time; a posted receive costs its stage nothing beyond waiting,
     since the copy out of the socket is part of that one-way time. ``allreduce`` /
     ``optimizer``: per stage, see :func:`local_costs`.
     """
@@ -56,10 +56,9 @@ class LocalCosts:
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
         """A ``W``: the profile's measured weight-gradient share of the unit's tokens, or
         of the whole sequence's at once."""
-        size = plan.batch_slices[action.b]
         ts = plan.token_slices[action.b]
-        length = sum(ts) if action.whole_sequence else ts[action.t]
-        return self._wgrad(stage, size, length)
+        length = sum(ts[t] for t in covered_slices(plan, action.b, action.t))
+        return self._wgrad(stage, plan.batch_slices[action.b], length)
 
     @memo
     def _wgrad(self, stage: int, size: int, length: int) -> float:

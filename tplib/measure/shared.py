@@ -18,7 +18,7 @@ import pandas as pd
 from tplib.costs import ActionCosts
 from tplib.plan import Plan
 from tplib.schedule import LOCAL_WORK, NO_UNIT, Action, Kind, Schedule
-from tplib.simulate import SimResult, simulate
+from tplib.simulate import SimResult, simulate, split_backward_costs
 
 __all__ = ["SharedCores", "simulate_shared"]
 
@@ -45,16 +45,11 @@ class SharedCores:
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
         """A ``W``, stretched by its own factor; a unit's ``W`` the simulator subtracts
         from that unit's split ``B`` by the ``B``'s, so the ``B`` is stretched whole."""
-        weight_grad = getattr(self.costs, "weight_grad", None)
-        if weight_grad is None:
-            raise ValueError(
-                f"{type(self.costs).__name__} cannot price {action}: it has no weight_grad "
-                "(see tplib.costs.SplitBackwardCosts)"
-            )
+        costs = split_backward_costs(self.costs, action)
         key = (stage, action.kind.value, action.b, action.t)
         if key not in self.scale:
             key = (stage, Kind.B.value, action.b, action.t)
-        return float(weight_grad(stage, action, plan)) * self.scale.get(key, 1.0)
+        return costs.weight_grad(stage, action, plan) * self.scale.get(key, 1.0)
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return self.costs.transfer(stage, action, plan)

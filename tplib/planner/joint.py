@@ -14,6 +14,7 @@ Two objectives over the same token DP (:mod:`tplib.planner.dp`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -83,15 +84,15 @@ def exact_joint(
     granularity: int = 8,
     eps: float = 0.0,
     max_batch_slice_size: int | None = None,
-    per_batch_slice: np.ndarray | None = None,
+    per_batch_slice: Callable[[int], float] | None = None,
 ) -> Plan:
     """One t_max for all units: per window, S*_b for every b, a knapsack over the batch
     split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max`` once: the true latency.
-    ``per_batch_slice[b - 1]``, if given, is added once per batch slice of b sequences
+    ``per_batch_slice(b)``, if given, is added once per batch slice of b sequences
     (a zero-bubble schedule's fused weight gradients, :mod:`tplib.planner.zero_bubble`)."""
     ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
-    extra = np.zeros(bmax) if per_batch_slice is None else np.asarray(per_batch_slice)[:bmax]
     bs = np.arange(1, bmax + 1)
+    extra = np.array([0.0 if per_batch_slice is None else per_batch_slice(int(b)) for b in bs])
     starts, tops = windows(np.unique(ce[1:][np.isfinite(ce[1:])]), eps)
     floor = bottleneck(ce, bs).min()
     search = Search(starts[tops >= floor], tops[tops >= floor], n_stages)

@@ -61,11 +61,17 @@ class ForwardBackwardCost:
         return t - self.cost.wgrad_time(batch_slice_size, np.asarray(length))
 
 
+def _fused(cost: WeightGradModel, batch_slice_size: int, seq_len: int) -> float:
+    """W(b): a batch slice's weight gradients over its whole sequences at once."""
+    return float(cost.wgrad_time(batch_slice_size, np.array([seq_len]))[0])
+
+
 def zero_bubble_latency(cost: WeightGradModel, plan: Plan, n_stages: int) -> float:
     """T_zb of ``plan`` (see the module docstring)."""
+    fb = ForwardBackwardCost(cost)
     tau = [
         float(
-            ForwardBackwardCost(cost).slice_time(
+            fb.slice_time(
                 plan.batch_slices[u.b],
                 np.array([plan.token_slices[u.b][u.t]]),
                 np.array([plan.token_offset(u.b, u.t)]),
@@ -73,7 +79,7 @@ def zero_bubble_latency(cost: WeightGradModel, plan: Plan, n_stages: int) -> flo
         )
         for u in plan.units()
     ]
-    fused = sum(float(cost.wgrad_time(b, np.array([plan.seq_len]))[0]) for b in plan.batch_slices)
+    fused = sum(_fused(cost, b, plan.seq_len) for b in plan.batch_slices)
     return sum(tau) + (n_stages - 1) * max(tau) + fused
 
 
@@ -89,10 +95,6 @@ def plan_zero_bubble(
 ) -> Plan:
     """The plan minimising T_zb; ``Plan.latency`` is T_zb and ``Plan.t_max`` the largest
     tau."""
-    bmax = min(batch, max_batch_slice_size or batch, cost.max_batch_slice_size or batch)
-    fused = np.array(
-        [float(cost.wgrad_time(b, np.array([seq_len]))[0]) for b in range(1, bmax + 1)]
-    )
     return exact_joint(
         ForwardBackwardCost(cost),
         seq_len=seq_len,
@@ -101,5 +103,5 @@ def plan_zero_bubble(
         granularity=granularity,
         eps=eps,
         max_batch_slice_size=max_batch_slice_size,
-        per_batch_slice=fused,
+        per_batch_slice=lambda b: _fused(cost, b, seq_len),
     )

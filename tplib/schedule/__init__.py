@@ -30,6 +30,7 @@ from tplib.schedule.actions import (
     Kind,
     Schedule,
     ScheduleError,
+    covered_slices,
     parse_kind,
 )
 from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, pipedream, two_bw
@@ -66,6 +67,7 @@ __all__ = [
     "TimedAction",
     "add_communication",
     "add_update",
+    "covered_slices",
     "format_grid",
     "gpipe",
     "held_versions",

@@ -44,6 +44,7 @@ __all__ = [
     "Kind",
     "Schedule",
     "ScheduleError",
+    "covered_slices",
     "parse_kind",
 ]
 
@@ -127,9 +128,7 @@ class Action:
                     f"action {self.kind} b{self.b} t{self.t}: {self.kind} acts on the whole "
                     "stage and takes no unit (leave b and t at -1)"
                 )
-        elif self.kind is Kind.W and self.b >= 0 and self.t == WHOLE_SEQUENCE:
-            pass
-        elif min(self.b, self.t) < 0:
+        elif self.b < 0 or (self.t < 0 and not self.whole_sequence):
             raise ValueError(
                 f"action {self.kind} b{self.b} t{self.t} on stage {self.stage}: "
                 "a unit's batch-slice and token-slice indices must be non-negative"
@@ -175,6 +174,12 @@ class Action:
             return cls(Kind.W, stage, int(m["wb"]), t)
         v = NO_VERSION if m["v"] is None else int(m["v"])
         return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]), v)
+
+
+def covered_slices(plan: Plan, b: int, t: int) -> range:
+    """The token slices of batch slice ``b`` whose weight gradients ``W b<b> t<t>``
+    computes: slice ``t``, or every one for ``t = WHOLE_SEQUENCE``."""
+    return range(plan.n_token_slices(b)) if t == WHOLE_SEQUENCE else range(t, t + 1)
 
 
 @dataclass(frozen=True)

@@ -65,13 +65,17 @@ def _complete(
     return add_update(add_communication(Schedule(name, n_stages, plan, acts)))
 
 
-def _fill_drain(name: str, n_stages: int, plan: Plan) -> Schedule:
-    _check_stages(n_stages)
+def _fill_drain_order(plan: Plan) -> list[tuple[Kind, Unit]]:
+    """Every forward in plan order, then every backward in reverse."""
     fwd = list(plan.units())
     # Reversing the forward order runs each sequence's token slices last-to-first, which
     # is what the K/V-context gradients need.
-    order = [(Kind.F, u) for u in fwd] + [(Kind.B, u) for u in reversed(fwd)]
-    return _complete(name, n_stages, plan, [order] * n_stages)
+    return [(Kind.F, u) for u in fwd] + [(Kind.B, u) for u in reversed(fwd)]
+
+
+def _fill_drain(name: str, n_stages: int, plan: Plan) -> Schedule:
+    _check_stages(n_stages)
+    return _complete(name, n_stages, plan, [_fill_drain_order(plan)] * n_stages)
 
 
 def gpipe(n_stages: int, plan: Plan) -> Schedule:
@@ -110,8 +114,7 @@ def terapipe_zb(n_stages: int, plan: Plan) -> Schedule:
         stage 2 |                   F b0 t0  F b0 t1  F b1 t0  F b1 t1  B b1 t1  B b1 t0  B b0 t1  B b0 t0  W b1     W b0
     """
     _check_stages(n_stages)
-    fwd = list(plan.units())
-    order = [(Kind.F, u) for u in fwd] + [(Kind.B, u) for u in reversed(fwd)]
+    order = _fill_drain_order(plan)
     order += [(Kind.W, Unit(b, WHOLE_SEQUENCE)) for b in reversed(range(plan.n_batch_slices))]
     return _complete("terapipe-zb", n_stages, plan, [order] * n_stages)
 

@@ -33,6 +33,7 @@ from tplib.schedule.actions import (
     Action,
     Kind,
     Schedule,
+    covered_slices,
 )
 from tplib.schedule.engine import Link, TimedAction, link_of, run
 from tplib.schedule.grid import SERVES, schedule_error, unit_cost
@@ -154,8 +155,7 @@ def _check_weight_grads(schedule: Schedule, k: int) -> None:
             raise schedule_error(
                 schedule, [(k, i)], f"{a} on stage {k} names a unit that is not in the plan {plan}"
             )
-        ts = range(plan.n_token_slices(a.b)) if a.whole_sequence else [a.t]
-        for t in ts:
+        for t in covered_slices(plan, a.b, a.t):
             u = Unit(a.b, t)
             if u in covered:
                 raise schedule_error(
