@@ -14,17 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_readme_table_matches_the_committed_results() -> None:
     csv = pd.read_csv(ROOT / "results/main_results/main_results-simulate.csv").set_index("setting")
     rows = re.findall(
-        r"^\| \((\d+)\) \| (\S+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|$",
+        r"^\| \((\d+)\) \| (\S+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \| "
+        r"([+-][\d.]+)%( \(held out\))? \| ([+-][\d.]+)% \|$",
         (ROOT / "README.md").read_text(),
         flags=re.MULTILINE,
     )
     assert len(rows) == len(csv) == 10
-    for setting, model, paper, ours, err in rows:
+    for setting, model, paper, ours, err, err_g, held, err_p in rows:
         r = csv.loc[int(setting)]
         assert model == r.model
         assert float(paper) == round(r.paper_speedup, 2), setting
         assert float(ours) == round(r.speedup, 2), setting
         assert float(err) == round(100 * r.err_speedup, 1), setting
+        assert float(err_g) == round(100 * r.err_latency_gpipe, 1), setting
+        assert bool(held) == (r.gpipe_row == "held out"), setting
+        assert float(err_p) == round(100 * r.err_latency_paper_plan, 1), setting
 
 
 def _layout_rows() -> dict[str, str]:

@@ -16,7 +16,7 @@ The package, one mechanism per module:
   parameters from the paper's GPipe latencies only.
 """
 
-from tplib.cluster.calibration import CALIBRATION, COMM_MODES, FIT_STAGES, Calibration
+from tplib.cluster.calibration import CALIBRATION, COMM_MODES, FIT_STAGES, HELD_OUT, Calibration
 from tplib.cluster.cost import ClusterCostModel
 from tplib.cluster.fit import FitResult, fit_calibration
 from tplib.cluster.hardware import P3_16XLARGE, Hardware
@@ -27,6 +27,7 @@ __all__ = [
     "CALIBRATION",
     "COMM_MODES",
     "FIT_STAGES",
+    "HELD_OUT",
     "P3_16XLARGE",
     "Calibration",
     "ClusterCostModel",

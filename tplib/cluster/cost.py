@@ -116,8 +116,26 @@ class ClusterCostModel:
         """Bytes/s from local GPU ``a`` to ``b``: their NVLinks, or PCIe through host
         memory (two copies) when the pair has none."""
         links = self.hw.links(a, b)
-        peak = links * self.hw.nvlink_link if links else self.hw.pcie / 2
-        return self.cal.nvlink_efficiency * peak
+        if links:
+            return self.cal.nvlink_efficiency * links * self.hw.nvlink_link
+        return self._pcie / 2
+
+    @property
+    def _pcie(self) -> float:
+        """Bytes/s of a copy between a GPU and host memory."""
+        return self.cal.pcie_efficiency * self.hw.pcie
+
+    def staging(self, nbytes: np.ndarray, *, receiving: bool) -> np.ndarray:
+        """Seconds one end of a cross-node message is busy copying it between GPU and
+        host memory. Without GPUDirect RDMA, NCCL's network transport stages every
+        message through a host buffer of ``nccl_buffer`` bytes in ``nccl_steps`` slots.
+        The sender's copy runs ahead of the wire one slot at a time, so only the first
+        slot adds to the transfer; the receiver's data wait in the buffer until its
+        kernel runs, which then copies up to a whole buffer."""
+        if not self.cal.host_staging:
+            return np.zeros_like(nbytes)
+        ahead = self.cal.nccl_buffer if receiving else self.cal.nccl_buffer / self.cal.nccl_steps
+        return np.minimum(nbytes, ahead) / self._pcie
 
     @property
     def params_per_layer(self) -> float:
@@ -182,7 +200,9 @@ class ClusterCostModel:
         nbytes = np.asarray(nbytes, dtype=float)
         if self.crosses_nodes(src, dst):
             net = self.cal.network_efficiency * self.hw.network
-            return nbytes / net + self.cal.inter_node_latency
+            return (
+                nbytes / net + self.cal.inter_node_latency + self.staging(nbytes, receiving=False)
+            )
         a, b = send_ranks(src, dst, self.n_op)
         g = self.hw.gpus_per_node
         return nbytes / self._intra_p2p(a % g, b % g) + self.cal.intra_node_latency
@@ -196,9 +216,9 @@ class ClusterCostModel:
             return self.p2p(src, dst, nbytes)
         if self.cal.comm == "async":
             return np.zeros_like(nbytes)
-        cross = self.crosses_nodes(src, dst)
-        latency = self.cal.inter_node_latency if cross else self.cal.intra_node_latency
-        return np.full_like(nbytes, latency)
+        if self.crosses_nodes(src, dst):
+            return self.cal.inter_node_latency + self.staging(nbytes, receiving=True)
+        return np.full_like(nbytes, self.cal.intra_node_latency)
 
     def stage_comm(self, stage: int, nbytes: np.ndarray | float) -> np.ndarray:
         """Seconds of pipeline communication stage ``stage`` adds per unit: its send to
@@ -294,7 +314,11 @@ class ClusterCostModel:
             wire = ring_allreduce(grads, n, self._nvlink_bus, self.cal.collective_latency)
         else:
             share = self.cal.allreduce_efficiency * self.hw.network / self.hw.gpus_per_node
-            wire = ring_allreduce(grads, n, share, self.cal.inter_node_latency)
+            if self.cal.allreduce_ring:
+                wire = ring_allreduce(grads, n, share, self.cal.inter_node_latency)
+            else:
+                wire = grads / share
+            wire += self.cal.allreduce_latency
         return float(wire) + ALLREDUCE_COPY_BYTES * params / self._hbm
 
     def optimizer(self, stage: int) -> float:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tplib.cluster.calibration import CALIBRATION, FIT_STAGES, Calibration
+from tplib.cluster.calibration import CALIBRATION, FIT_STAGES, HELD_OUT, Calibration
 from tplib.cluster.cost import ClusterCostModel
 from tplib.paper import GPIPE, TABLE2, PaperResult, setting
 from tplib.plan import Plan
@@ -33,6 +33,7 @@ _BOUNDS = {
     "network_efficiency": (0.01, 1.0),
     "allreduce_efficiency": (0.01, 1.0),
     "collective_latency": (1e-6, 1e-2),
+    "allreduce_latency": (1e-4, 10.0),
 }
 
 
@@ -104,24 +105,36 @@ def _gauss_newton(
 
 @dataclass(frozen=True)
 class FitResult:
-    """What :func:`fit_calibration` found: the calibration, the GPipe rows it used
-    (setting, simulated, paper) and the RMS error of log latency over them."""
+    """What :func:`fit_calibration` found: the calibration and, for the GPipe rows it
+    used and those it held out (setting, simulated, paper), the RMS error of log latency
+    over the rows it used."""
 
     calibration: Calibration
     settings: tuple[int, ...]
     simulated: tuple[float, ...]
     paper: tuple[float, ...]
+    held_out: tuple[int, ...]
     iterations: int
 
     @property
+    def errors(self) -> dict[int, float]:
+        """Simulated / paper - 1 per setting, held-out rows included."""
+        return {
+            s: sim / paper - 1
+            for s, sim, paper in zip(self.settings, self.simulated, self.paper, strict=True)
+        }
+
+    @property
     def rms_log_error(self) -> float:
-        err = np.log(self.simulated) - np.log(self.paper)
+        used = [s not in self.held_out for s in self.settings]
+        err = np.log(np.array(self.simulated)[used]) - np.log(np.array(self.paper)[used])
         return float(math.sqrt(np.mean(err**2)))
 
 
 def fit_calibration(
     start: Calibration = CALIBRATION,
     stages: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = FIT_STAGES,
+    held_out: tuple[int, ...] = HELD_OUT,
     *,
     tol: float = 1e-5,
     max_iter: int = 30,
@@ -133,19 +146,24 @@ def fit_calibration(
     :func:`tplib.simulate.simulate` of the GPipe schedule (microbatches of one sequence)
     on :class:`ClusterCostModel`, by Gauss-Newton in log-parameter space (forward
     differences, step halving, efficiencies bounded to (0.01, 1]), starting at ``start``.
-    Deterministic. No TeraPipe number enters the fit.
+    Deterministic. No TeraPipe number enters the fit. The result also simulates the GPipe
+    rows of ``held_out``, which no stage saw, to check the fit on data it did not use.
     """
+    if overlap := set(held_out) & {n for _, settings in stages for n in settings}:
+        raise ValueError(f"held_out={held_out}: settings {sorted(overlap)} are also fitted")
     cal, iterations = start, 0
     for fields, settings in stages:
         rows = [r for r in TABLE2 if r.algorithm == GPIPE and r.setting in settings]
         cal, it = _gauss_newton(cal, fields, rows, tol, max_iter)
         iterations += it
-    rows = [r for r in TABLE2 if r.algorithm == GPIPE and any(r.setting in s for _, s in stages)]
+    used = {n for _, settings in stages for n in settings} | set(held_out)
+    rows = [r for r in TABLE2 if r.algorithm == GPIPE and r.setting in used]
     sim = _gpipe_latencies(cal, rows)
     return FitResult(
         cal,
         tuple(r.setting for r in rows),
         tuple(map(float, sim)),
         tuple(r.latency for r in rows),
+        tuple(held_out),
         iterations,
     )

@@ -26,7 +26,6 @@ from tplib.tables.settings import (
     EPS,
     Method,
     beside_paper,
-    paper_plans_on_cluster,
     simulate_setting,
 )
 
@@ -49,11 +48,8 @@ def simulate(
     for n in settings:
         r = simulate_setting(n, method=method, eps=eps, calibration=calibration)
         rows.append(beside_paper(r, main_row(n, GPIPE), main_row(n, TERAPIPE)))
-    extras = {
-        "our plans beside the paper's": pd.DataFrame(rows)[["setting", "plan", "paper_plan"]],
-        "the paper's own plans on our cluster model": paper_plans_on_cluster(settings, calibration),
-    }
-    return Rows(pd.DataFrame(rows), extras)
+    df = pd.DataFrame(rows)
+    return Rows(df, findings.fidelity_extras(df, "setting"))
 
 
 def measure(

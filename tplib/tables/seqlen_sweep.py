@@ -42,7 +42,7 @@ def simulate(
         r = simulate_setting(5, seq_len=seq_len, method=method, eps=eps, calibration=calibration)
         rows.append(beside_paper(r, seqlen_row(seq_len, GPIPE), seqlen_row(seq_len, TERAPIPE)))
     df = pd.DataFrame(rows)
-    return Rows(df, {"our plans beside the paper's": df[["seq_len", "plan", "paper_plan"]]})
+    return Rows(df, findings.fidelity_extras(df, "seq_len"))
 
 
 def measure(

@@ -21,9 +21,9 @@ from typing import Literal, cast
 
 import pandas as pd
 
-from tplib.cluster import CALIBRATION, Calibration, ClusterCostModel
+from tplib.cluster import CALIBRATION, FIT_STAGES, Calibration, ClusterCostModel
 from tplib.costs import SliceCostModel
-from tplib.paper import GPIPE, TERAPIPE, PaperResult, Setting, main_row, setting
+from tplib.paper import TERAPIPE, PaperResult, Setting, main_row, seqlen_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.planner import plan as plan_slices
@@ -38,7 +38,6 @@ __all__ = [
     "compare_joint_methods",
     "cost_model",
     "paper_flops",
-    "paper_plans_on_cluster",
     "plan_terapipe",
     "rel",
     "setting_fields",
@@ -119,8 +118,13 @@ def simulate_setting(
     calibration: Calibration = CALIBRATION,
 ) -> dict[str, object]:
     """Setting ``(n)`` (or its Table-4 variant at ``seq_len``) without and with TeraPipe:
-    latencies, speedup, the plan and what the simulator saw."""
+    latencies, speedup, the plan and what the simulator saw; and the paper's own TeraPipe
+    plan simulated (``latency_paper_plan``), which separates the cost model's error from
+    the planner's choice. ``gpipe_row`` says whether the GPipe row entered the stored
+    calibration's fit ("fit") or not ("held out")."""
     s = setting(n, seq_len)
+    paper_t = seqlen_row(s.seq_len, TERAPIPE) if s.seq_len != 2048 else main_row(n, TERAPIPE)
+    fitted = s.seq_len == 2048 and any(n in rows for _, rows in FIT_STAGES)
     t0 = time.perf_counter()
     p = plan_terapipe(s, method=method, eps=eps, calibration=calibration)
     t_plan = time.perf_counter() - t0
@@ -158,6 +162,10 @@ def simulate_setting(
         "speedup_zb": gpipe.latency / min(zb.values()),
         "gain_zb_over_terapipe": tera.latency / min(zb.values()),
         "plan_zb": pz.to_paper(),
+        "latency_paper_plan": simulate_on_cluster(
+            s, paper_t.plan, "terapipe", calibration=calibration
+        ).latency,
+        "gpipe_row": "fit" if fitted else "held out",
     }
 
 
@@ -181,45 +189,28 @@ def rel(ours: float, paper: float) -> float:
 
 def beside_paper(r: dict[str, object], g: PaperResult, t: PaperResult) -> dict[str, object]:
     """Our simulated row ``r`` with the paper's w/o (``g``) and w/ (``t``) TeraPipe values
-    and the relative errors."""
+    and the relative errors (of the paper's own plan too, when ``r`` simulated it)."""
     lat_g, lat_t, speedup = (
         cast(float, r[k]) for k in ("latency_gpipe", "latency_terapipe", "speedup")
     )
-    return r | {
-        "paper_latency_gpipe": g.latency,
-        "paper_latency_terapipe": t.latency,
-        "paper_speedup": g.latency / t.latency,
-        "paper_tflops_per_gpu": t.tflops,
-        "paper_plan": t.scheme,
-        "err_latency_gpipe": rel(lat_g, g.latency),
-        "err_latency_terapipe": rel(lat_t, t.latency),
-        "err_speedup": rel(speedup, g.latency / t.latency),
-    }
-
-
-def paper_plans_on_cluster(
-    settings: Iterable[int] = range(1, 11), calibration: Calibration = CALIBRATION
-) -> pd.DataFrame:
-    """The paper's own TeraPipe plans (Table 2) simulated on our cluster model, beside
-    the paper's latencies: separates the cost model's error from the planner's choice."""
-    rows = []
-    for n in settings:
-        s, g, t = setting(n), main_row(n, GPIPE), main_row(n, TERAPIPE)
-        lat_g = simulate_on_cluster(s, s.gpipe_plan(), "gpipe", calibration=calibration).latency
-        lat_t = simulate_on_cluster(s, t.plan, "terapipe", calibration=calibration).latency
-        rows.append(
-            {
-                "setting": n,
-                "model": s.model,
-                "paper_plan": t.scheme,
-                "latency_terapipe": lat_t,
-                "paper_latency_terapipe": t.latency,
-                "speedup": lat_g / lat_t,
-                "paper_speedup": g.latency / t.latency,
-                "err_speedup": rel(lat_g / lat_t, g.latency / t.latency),
-            }
+    return (
+        r
+        | {
+            "paper_latency_gpipe": g.latency,
+            "paper_latency_terapipe": t.latency,
+            "paper_speedup": g.latency / t.latency,
+            "paper_tflops_per_gpu": t.tflops,
+            "paper_plan": t.scheme,
+            "err_latency_gpipe": rel(lat_g, g.latency),
+            "err_latency_terapipe": rel(lat_t, t.latency),
+            "err_speedup": rel(speedup, g.latency / t.latency),
+        }
+        | (
+            {"err_latency_paper_plan": rel(cast(float, r["latency_paper_plan"]), t.latency)}
+            if "latency_paper_plan" in r
+            else {}
         )
-    return pd.DataFrame(rows)
+    )
 
 
 def compare_joint_methods(
