@@ -42,12 +42,11 @@ class Calibration:
                                     both: (10), the fifth setting without data parallelism
     allreduce_efficiency  0.553     FITTED: achieved fraction of 25 Gbps (shared by a
                                     node's 8 GPUs) in the data-parallel all-reduce, on the
-                                    GPipe rows of (2) (6) (7), the values above held fixed,
-                                    together with:
+                                    GPipe rows of (2) (6) (7), the values above held fixed
+                                    (published TCP runs of NCCL reach about 60% of the
+                                    wire: NVIDIA/nccl#209), together with:
     allreduce_latency     0.285 s   FITTED: the all-reduce's fixed cost per iteration; same
-                                    rows, same fit. Held out of both: (1) and (4).
-                                    Published TCP runs of NCCL reach about 60% of the wire
-                                    (NVIDIA/nccl#209), as fitted here
+                                    rows, same fit. Held out of both: (1) and (4)
     allreduce_ring        False     structure, chosen on the GPipe rows of all five
                                     data-parallel settings: each GPU's gradients cross the
                                     node's shared link once, whatever #Data; the ring's

@@ -15,7 +15,8 @@ GPT3-1B layer's forward takes as long for 1 token as for 256): a layer's forward
 at least the GPU time of a 256-token GPT3-1B layer forward, its backward twice that.
 
 Sends run on the compute stream, so a stage is busy while it sends (``comm``, see
-:class:`~tplib.cluster.calibration.Calibration`). The data-parallel all-reduce crosses
+:class:`~tplib.cluster.calibration.Calibration`); a message between nodes also passes
+through host memory at both ends (``staging``: the nodes have no GPUDirect RDMA). The data-parallel all-reduce crosses
 the network, and all 8 GPUs of a node all-reduce at about the same time (their stages
 finish the backward within a few slices of each other): they SHARE the node's 25 Gbps.
 """

@@ -149,15 +149,15 @@ def fit_calibration(
     Deterministic. No TeraPipe number enters the fit. The result also simulates the GPipe
     rows of ``held_out``, which no stage saw, to check the fit on data it did not use.
     """
-    if overlap := set(held_out) & {n for _, settings in stages for n in settings}:
+    fitted = {n for _, settings in stages for n in settings}
+    if overlap := set(held_out) & fitted:
         raise ValueError(f"held_out={held_out}: settings {sorted(overlap)} are also fitted")
     cal, iterations = start, 0
     for fields, settings in stages:
         rows = [r for r in TABLE2 if r.algorithm == GPIPE and r.setting in settings]
         cal, it = _gauss_newton(cal, fields, rows, tol, max_iter)
         iterations += it
-    used = {n for _, settings in stages for n in settings} | set(held_out)
-    rows = [r for r in TABLE2 if r.algorithm == GPIPE and r.setting in used]
+    rows = [r for r in TABLE2 if r.algorithm == GPIPE and r.setting in fitted | set(held_out)]
     sim = _gpipe_latencies(cal, rows)
     return FitResult(
         cal,
