@@ -42,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*cores were busy with other wor
 
 # Tables on the tiny model: short sequences, one timed iteration, no warm-up.
 TINY = {"model": "tiny", "model_overrides": {}, "iters": 1, "warmup": 0, "progress": False}
-FAST = {"rounds": 1}
+FAST = {"rounds": 1, "contention_rounds": 1}
 
 
 @pytest.fixture
@@ -170,6 +170,30 @@ def test_shared_cores_stretch_only_what_runs_at_the_same_time() -> None:
     assert crowded / simulate(gpipe, costs).latency > 1.2 * slow["gpipe"]
 
 
+def test_contention_stretches_work_while_the_other_stage_works() -> None:
+    # K=2, one sequence in two token slices, a step per F or B, free messages. Alone:
+    # stage 0 F0 [0,1] F1 [1,2] ... B0 [5,6]. Stage 0's F1 and stage 1's F0 run together,
+    # so with factor 1.5 both take [1, 2.5]; stage 1's F1 [2.5, 3.5] and B1 [3.5, 4.5]
+    # run alone; its B0 and stage 0's B1 run together, [4.5, 6]; stage 0's B0 [6, 7].
+    costs = ConstantCosts(t_f=1.0, t_b=1.0, t_optimizer=0.0)
+    tera = make_schedule("terapipe", 2, Plan.uniform(1, 2, n_token_slices=2))
+    assert simulate(tera, costs).latency == 6.0
+    assert simulate_shared(tera, costs, cores=2, contention=(1.0, 1.0)).latency == 6.0
+    stretched = simulate_shared(tera, costs, cores=2, contention=(1.5, 1.5))
+    assert stretched.latency == pytest.approx(7.0, rel=1e-3)
+    # Only stage 1 slowed: stage 0's F1 and B1 keep 1 s, so they cover 1 s of stage 1's
+    # F0 and B0 of f s each, and f = 1 + 0.5 / f: f = (1 + sqrt 3) / 2, 4 s + 2 f in all.
+    one = simulate_shared(tera, costs, cores=2, contention=(1.0, 1.5))
+    assert one.latency == pytest.approx(5.0 + 3**0.5, rel=1e-3)
+    # GPipe on one sequence: the stages never work at the same time.
+    gpipe = make_schedule("gpipe", 2, Plan.gpipe(1, 2))
+    assert simulate_shared(gpipe, costs, cores=2, contention=(2.0, 2.0)).latency == 4.0
+    with pytest.raises(ValueError, match="3 factors for 2 stages"):
+        simulate_shared(tera, costs, cores=2, contention=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="must be positive"):
+        simulate_shared(tera, costs, cores=2, contention=(1.0, 0.0))
+
+
 def test_a_measured_row_reports_the_median_and_the_simulators_error() -> None:
     run = RunConfig(n_stages=1, batch=1, seq_len=8)
     rank = RankResult(0, 0, 0, (0, 4), iteration_s=[1.0, 2.0, 10.0])
@@ -201,6 +225,7 @@ def _check_measured(df: pd.DataFrame, suffixes: tuple[str, ...]) -> None:
         assert (df[f"latency{s}_std"] >= 0).all()
         for col in (f"simulated_latency{s}", f"err_simulated_latency{s}", f"busy_cores{s}"):
             assert df[col].notna().all(), col
+        assert (df[f"contention{s}"] > 0).all()
 
 
 @pytest.mark.usefixtures("quiet")
@@ -277,6 +302,8 @@ def test_validation_notebook_runs_under_papermill(link: Link, tmp_path: Path) ->
         progress_bar=False,
     )
     df = pd.read_csv(tmp_path / "simulator_validation-test.csv")
-    assert list(df.schedule) == ["gpipe", "terapipe", "terapipe-zb"] and (df.latency > 0).all()
+    assert list(df.schedule) == ["gpipe", "1f1b", "terapipe", "terapipe-zb"]
+    assert (df.latency > 0).all() and (df.contention > 0).all()
+    assert list(df.plan[:2]) == ["[(1, [64])] * 2"] * 2 and df.n_slices.iloc[2] == 4
     assert (tmp_path / "simulator_validation-test.png").read_bytes()[:4] == b"\x89PNG"
     assert df.err_simulated_latency.iloc[1:].map(math.isfinite).all()

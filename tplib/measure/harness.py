@@ -5,7 +5,9 @@ One mechanism, used by every measured table (:mod:`tplib.tables`):
 1. measure the link between two local processes (:func:`tplib.runtime.measure_link`);
 2. profile every stage of the pipeline on this machine
    (:func:`tplib.perfmodel.profile_pipeline`), with the torch threads each pipeline
-   process gets, the embeddings on the first stage and the LM head and loss on the last;
+   process gets, the embeddings on the first stage and the LM head and loss on the last,
+   and measure how much the stages slow each other when they work at once
+   (:func:`~tplib.perfmodel.contention.measure_contention`);
 3. turn both into the simulator's costs (:func:`~tplib.measure.local_costs`) and the
    planner's cost model (:class:`~tplib.measure.BottleneckCost`);
 4. plan with the DP, run every configuration on ONE :class:`~tplib.runtime.LocalPool`
@@ -34,6 +36,7 @@ from tplib.measure.costs import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.options import Profiling
 from tplib.measure.shared import simulate_shared
 from tplib.perfmodel import Profile, profile_pipeline
+from tplib.perfmodel.contention import Contention, measure_contention
 from tplib.plan import Plan
 from tplib.planner import plan as plan_slices
 from tplib.runtime import LocalPool, RunConfig, RunResult, measure_link
@@ -54,6 +57,7 @@ class Measured:
     sim: SimResult
     sim_dedicated: SimResult
     busy_cores: float  # cores the other jobs kept busy around the run (mean of before, after)
+    contention: tuple[float, ...] = ()  # each stage's measured factor; none: not measured
 
     @property
     def latencies(self) -> list[float]:
@@ -70,7 +74,8 @@ class Measured:
         ``latency_min``; ``simulated_latency`` (shared cores) and its error against the
         measurement ``err_simulated_latency`` (simulated / measured - 1), the same two
         for a core per stage (``..._dedicated``); the simulated ``bubble`` fraction and
-        the ``busy_cores`` of other jobs."""
+        the ``busy_cores`` of other jobs; ``contention``, the stages' largest measured
+        factor (NaN: not measured)."""
         lat = self.latencies
         s = suffix
         return {
@@ -84,6 +89,7 @@ class Measured:
             f"err_simulated_latency{s}_dedicated": self.sim_dedicated.latency / self.latency - 1.0,
             f"bubble{s}": self.sim.bubble_fraction,
             f"busy_cores{s}": self.busy_cores,
+            f"contention{s}": max(self.contention, default=float("nan")),
         }
 
 
@@ -109,6 +115,7 @@ class Bench:
     own_pool: bool = True  # started here, so closed here
     profiles: dict[int, list[Profile]] = field(default_factory=dict)
     costs: dict[int, LocalCosts] = field(default_factory=dict)  # per L, from its profiles
+    contention: dict[int, Contention] = field(default_factory=dict)  # per L, if measured
 
     @property
     def cfg(self) -> GPTConfig:
@@ -128,6 +135,15 @@ class Bench:
                 **self.profiling.kwargs(),
             )
             self.costs[seq_len] = local_costs(self.profiles[seq_len], self.link)
+            if self.profiling.contention_rounds:
+                self.contention[seq_len] = measure_contention(
+                    self.cfg,
+                    self.n_stages,
+                    seq_len=seq_len,
+                    granularity=granularity,
+                    threads=self.profiles[seq_len][0].threads,
+                    rounds=self.profiling.contention_rounds,
+                )
         return self.profiles[seq_len]
 
     def plan(self, seq_len: int, pipeline_batch: int, eps: float) -> Plan:
@@ -180,8 +196,12 @@ class Bench:
         busy = 0.5 * (before + busy_cores())
         threads = run.threads or threads_per_process(run.world_size)  # as LocalPool sets them
         schedule_data = run.schedule_data
-        shared = simulate_shared(schedule_data, costs, cores=cores, busy=busy, threads=threads)
-        return Measured(result, shared, simulate(schedule_data, costs), busy)
+        measured = self.contention.get(p.seq_len)
+        factors = measured.factors if measured else ()
+        shared = simulate_shared(
+            schedule_data, costs, cores=cores, busy=busy, threads=threads, contention=factors
+        )
+        return Measured(result, shared, simulate(schedule_data, costs), busy, factors)
 
     def without_with(self, seq_len: int, pipeline_batch: int, eps: float) -> dict[str, object]:
         """The row of GPipe (microbatches of one sequence) against TeraPipe (the DP's plan)

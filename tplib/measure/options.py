@@ -33,7 +33,9 @@ class Profiling:
     round (``warmup=0``: the first visit's colder run is one round among ``rounds``),
     rounds are combined by their median, the typical time a pipeline run will see, and
     the table t(b, l, 0) is smoothed so that the DP plans on the trend, not on lucky
-    timings. ``granularity`` None: the calling table's default grid."""
+    timings. ``granularity`` None: the calling table's default grid. After the profiles,
+    :func:`~tplib.perfmodel.contention.measure_contention` measures how much the stages
+    slow each other when they work at once, in ``contention_rounds`` pairs per stage."""
 
     granularity: int | None = None
     batch_slice_sizes: tuple[int, ...] = (1,)
@@ -43,6 +45,8 @@ class Profiling:
     reduce: str = "median"
     smooth: bool = True
     threads: int | None = None  # None: what each pipeline process gets
+    # Alone/together pairs per stage of the contention benchmark; 0: assume none.
+    contention_rounds: int = 5
 
     @classmethod
     def of(cls, value: Profiling | Mapping[str, Any]) -> Profiling:

@@ -1,15 +1,22 @@
 """Stages that share this machine's cores with each other and with other jobs.
 
 The simulator gives each stage a processor of its own. Local pipeline processes do not
-have one: where the stages and the other jobs (:func:`tplib.machine.busy_cores`) want
-more cores than there are, stages computing at the same time slow each other down.
-:func:`simulate_shared` models that as processor sharing: each action that occupies its
-stage's processor (:data:`~tplib.schedule.LOCAL_WORK`) is stretched by its demand over
-the cores, and the stretched schedule is simulated again, to a fixed point.
+have one, and stages computing at the same time slow each other down in two ways:
+
+- where the stages and the other jobs (:func:`tplib.machine.busy_cores`) want more cores
+  than there are, they share them (processor sharing);
+- even with a core each, they share the memory bandwidth and caches: a stage's work
+  stretches by its measured contention factor
+  (:func:`tplib.perfmodel.contention.measure_contention`) while the others work.
+
+:func:`simulate_shared` stretches each action that occupies its stage's processor
+(:data:`~tplib.schedule.LOCAL_WORK`) by both, from how much the other stages work during
+it, and simulates the stretched schedule again, to a fixed point.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,9 +69,17 @@ class SharedCores:
         return self.costs.optimizer(stage) * self.scale.get(key, 1.0)
 
 
-def _stretch(timeline: pd.DataFrame, cores: float, busy: float, threads: int) -> dict[Key, float]:
+def _stretch(
+    timeline: pd.DataFrame,
+    cores: float,
+    busy: float,
+    threads: int,
+    contention: Sequence[float],
+) -> dict[Key, float]:
     """Per action of LOCAL_WORK: max(1, demand / cores), where demand counts the cores its
-    own stage, the other stages working meanwhile (time-averaged) and the other jobs want."""
+    own stage, the other stages working meanwhile (n, time-averaged) and the other jobs
+    want, times 1 + (c - 1) n / (K - 1), with c its stage's contention factor measured
+    with all K stages working."""
     rows = timeline[timeline.kind.isin([k.value for k in LOCAL_WORK])]
     stages = sorted(int(k) for k in rows["stage"].unique())
     spans = {k: rows.loc[rows.stage == k, ["start", "end"]].to_numpy() for k in stages}
@@ -78,6 +93,8 @@ def _stretch(timeline: pd.DataFrame, cores: float, busy: float, threads: int) ->
                 overlap += np.clip(hi - lo, 0.0, None).sum(axis=1)
         others = overlap / np.maximum(mine[:, 1] - mine[:, 0], 1e-12)
         factor = np.maximum(1.0, (threads * (1.0 + others) + busy) / cores)
+        if len(spans) > 1 and contention:
+            factor *= 1.0 + (contention[k] - 1.0) * others / (len(contention) - 1)
         part = rows[rows.stage == k]
         keys = zip(part.kind, part.b, part.t, strict=True)
         out |= {
@@ -94,26 +111,39 @@ def simulate_shared(
     cores: float,
     busy: float = 0.0,
     threads: int = 1,
+    contention: Sequence[float] = (),
     rounds: int = 50,
     tol: float = 1e-3,
 ) -> SimResult:
     """Simulate ``schedule`` on a machine of ``cores`` cores of which other jobs keep
-    ``busy`` busy, each stage's process running ``threads`` threads.
+    ``busy`` busy, each stage's process running ``threads`` threads, stage k's work
+    stretching by ``contention[k]`` while all the others work (none: no contention).
 
     Stages that work at the same time share the cores the other jobs leave, and with n
     threads wanting C cores each runs at C / n of a core (processor sharing, never
     faster than one core). So each action of LOCAL_WORK is stretched by
     max(1, demand / C), its demand being its own threads, those of the other stages while
-    they work during it (time-averaged) and ``busy``. Overlaps change as actions stretch,
-    so this iterates, damped, to a fixed point from the one-core-per-stage simulation,
-    which it returns unchanged when the stages and ``busy`` fit in ``cores`` or when
-    ``busy`` is NaN (the other jobs' load is unknown)."""
+    they work during it (time-averaged) and ``busy``, and by its contention, in
+    proportion to how many other stages work during it. Overlaps change as actions
+    stretch, so this iterates, damped, to a fixed point from the one-core-per-stage
+    simulation, which it returns unchanged when there is no contention and the stages
+    and ``busy`` fit in ``cores``. ``busy`` NaN (the other jobs' load unknown) counts as
+    none."""
+    if contention and len(contention) != schedule.n_stages:
+        raise ValueError(
+            f"contention has {len(contention)} factors for {schedule.n_stages} stages: "
+            "give one per stage, or none"
+        )
+    if any(not c > 0 for c in contention):
+        raise ValueError(f"contention={tuple(contention)}: every factor must be positive")
+    busy = busy if np.isfinite(busy) else 0.0
     shared = SharedCores(costs)
     sim = simulate(schedule, shared)
-    if not np.isfinite(busy) or threads * schedule.n_stages + busy <= cores:
+    crowded = threads * schedule.n_stages + busy > cores
+    if not crowded and all(c == 1.0 for c in contention):
         return sim
     for _ in range(rounds):
-        target = _stretch(sim.timeline, cores, busy, threads)
+        target = _stretch(sim.timeline, cores, busy, threads, contention)
         change = max((abs(v - shared.scale.get(key, 1.0)) for key, v in target.items()), default=0)
         shared.scale = {key: 0.5 * (shared.scale.get(key, 1.0) + v) for key, v in target.items()}
         sim = simulate(schedule, shared)

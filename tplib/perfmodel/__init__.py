@@ -6,7 +6,9 @@
 - :mod:`~tplib.perfmodel.build`: :func:`build_profile`, from any ``measure(b, l, c)``:
   where to measure, the fit and its held-out score, smoothing;
 - :mod:`~tplib.perfmodel.timer`: :class:`StageTimer`, :func:`profile_stage` and
-  :func:`profile_pipeline`, which time real stages with torch.
+  :func:`profile_pipeline`, which time real stages with torch;
+- :mod:`~tplib.perfmodel.contention`: :func:`measure_contention`, how much the stages
+  slow each other when they work at once on this machine (torch, its own processes).
 
 Planning from a saved profile never imports torch: the timer's names are loaded on first
 use (PEP 562), everything else is torch-free.

@@ -151,6 +151,26 @@ class StageTimer:
         self.forward_fractions.append(float(np.median(forwards[self.warmup :])) / total)
         return total
 
+    def sequence_time(self, batch: int, granularity: int) -> float:
+        """Seconds of one sequence's work through the stage as a uniform plan cuts it:
+        forward+backward of each ``granularity``-token slice at its place in the
+        sequence, back to back, every input made before the clock starts."""
+        steps = grid_steps(self.seq_len, granularity)
+        if batch not in self._contexts:
+            self._contexts = {batch: self.stage.new_context(batch, self.seq_len)}
+        ctx = self._contexts[batch]
+        for layer in ctx.layers.values():
+            layer.k.normal_()
+            layer.v.normal_()
+        inputs = [self._inputs(batch, granularity) for _ in range(steps)]
+        self._sync()
+        t0 = time.perf_counter()
+        for i, (x, targets, grad) in enumerate(inputs):
+            out = self.stage(x, start=i * granularity, context=ctx, targets=targets)
+            out.backward(grad)
+        self._sync()
+        return time.perf_counter() - t0
+
     def wgrad_fraction(self, batch: int, length: int) -> float:
         """The weight gradients' median share of a whole-sequence forward + split
         backward of ``batch`` x ``length`` tokens: F, then B leaving the products' weight
