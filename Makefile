@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SOURCES := tplib tests scripts
 
-.PHONY: all test reproduce lab lint format bench gpu-check clean
+.PHONY: all test test-browser reproduce lab lint format bench gpu-check clean
 
 all: test
 
@@ -26,6 +26,15 @@ test: lint
 # An interrupted run resumes where it stopped; FORCE=1 starts a new run regardless.
 MODE  ?= all
 FORCE ?=
+# The explorer in JupyterLab in headless Chromium (tests/test_explorer_browser.py; make
+# test runs it too where Chromium is installed, and says it skipped it where not).
+test-browser: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[browser]'
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	  else echo "install Debian's chromium (as root: apt-get install chromium)"; exit 1; fi; }
+	$(PY) -m pytest -q -p no:cacheprovider -rs tests/test_explorer_browser.py
+
 reproduce: $(STAMP)
 	$(PY) -m tplib reproduce --mode $(MODE) $(if $(filter 1,$(FORCE)),--force,)
 
@@ -37,8 +46,9 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py --out results/gpu
 
+# JupyterLab refuses to start as root (a container's user) without --allow-root.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(SOURCES)

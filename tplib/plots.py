@@ -132,11 +132,14 @@ def plot_timeline(
     ax.set_xlabel(f"time ({unit})")
     if title:
         ax.set_title(title)
+    # Compute bars take their batch slice's colour; the legend shows the shades in grey
+    # so that no one colour reads as "backward".
+    grey = (0.35, 0.35, 0.35)
     handles = [
-        Patch(facecolor=_lighten(colors[0], 0.55), label="forward (colour: batch slice)"),
-        Patch(facecolor=colors[0], label="backward"),
+        Patch(facecolor=_lighten(grey, 0.55), label="forward: light shade"),
+        Patch(facecolor=grey, label="backward: full shade"),
         *(
-            [Patch(facecolor=_lighten(colors[0], 0.3), hatch="///", label="weight gradients")]
+            [Patch(facecolor=_lighten(grey, 0.3), hatch="///", label="weight gradients: hatched")]
             if (df["kind"] == Kind.W.value).any()
             else []
         ),
@@ -144,7 +147,14 @@ def plot_timeline(
     ]
     if show_comm:
         handles.append(Patch(facecolor="black", alpha=0.6, label="send / receive"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize="small",
+        title="colour: batch slice",
+        title_fontsize="small",
+    )
     return ax
 
 

@@ -31,6 +31,7 @@ from tplib.tables.settings import EPS, GRANULARITY, Method
 
 __all__ = [
     "CLUSTER",
+    "MAX_GRID_STEPS",
     "METHODS",
     "Scenario",
     "cost_model",
@@ -42,6 +43,9 @@ __all__ = [
 
 CLUSTER = "cluster"  # Scenario.cost for the V100-cluster model; anything else is a path
 METHODS: tuple[Method, ...] = get_args(Method)
+# The DP's time grows about 10x per doubling of L / g (0.9 s at 512 points, 3.5 s at 1024,
+# 47 s at 2048, measured at L = 8192 on 2 cores): past this an interactive change stalls.
+MAX_GRID_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,13 @@ class Scenario:
                 f"Scenario.seq_len={self.seq_len} is not a multiple of granularity="
                 f"{self.granularity}: slice lengths lie on a grid of g tokens, pick a g "
                 "that divides L"
+            )
+        if self.seq_len // self.granularity > MAX_GRID_STEPS:
+            raise ValueError(
+                f"Scenario.seq_len={self.seq_len} with granularity={self.granularity} gives "
+                f"{self.seq_len // self.granularity} grid points: the explorer plans at most "
+                f"{MAX_GRID_STEPS}, so pick g >= {-(-self.seq_len // MAX_GRID_STEPS)} "
+                "(python -m tplib plan has no such limit)"
             )
         if not isinstance(self.eps, int | float) or not 0 <= self.eps < float("inf"):
             raise ValueError(f"Scenario.eps={self.eps!r}: must be finite seconds >= 0")
