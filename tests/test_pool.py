@@ -1,18 +1,33 @@
 """Local process pools and torchrun: failures and hangs fail fast, with the traceback or
-with what was awaited; the torchrun entry point writes its results atomically."""
+with what was awaited; a worker killed mid-iteration fails the run at once, naming what it
+was doing, and leaves no process and no result file behind; pool workers do not outlive
+their parent; the torchrun entry point writes its results atomically."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import multiprocessing
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import tplib.runtime.pool
 from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save_run_config
+
+# psutil (which ipykernel requires) ships no type information: its objects are Any here.
+psutil: Any = importlib.import_module("psutil")
 
 
 def test_world_size_not_the_layout() -> None:
@@ -216,3 +231,197 @@ def test_torchrun_module_fails_on_a_wrong_world_size(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "world size 3 is not #Data x #Pipe x #Op = 1 x 2 x 1 = 2" in proc.stderr
     assert not out.exists()
+
+
+# ---- a worker killed without a word (SIGKILL, the out-of-memory killer) -------------------
+
+# Long enough to be killed in the middle: 20 iterations of 130 actions a stage.
+LONG = RunConfig(n_stages=2, batch=2, seq_len=64, slicing=16, steps=20, timeout_s=5)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The processes among ``pids`` still running (a zombie has ended)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Poll until none of ``pids`` runs or ``timeout_s`` passed; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _alive(pids)
+
+
+@dataclass
+class Killer:
+    """SIGKILLs ``rank`` of the pool ``find`` returns once it runs an action in the middle
+    of its stage's list in iteration ``iteration`` or later (a thread of its own, so the
+    run can be in flight in this one)."""
+
+    find: Callable[[], LocalPool | None]
+    rank: int
+    iteration: int
+    killed_at: float = 0.0
+    pids: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._kill, daemon=True)
+        self._thread.start()
+
+    def _kill(self) -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while (pool := self.find()) is None or not pool.pids[self.rank]:
+                assert time.monotonic() < deadline, "no pool started"
+                time.sleep(0.01)
+            n = len(LONG.schedule_data.actions[LONG.position(self.rank)[1]])
+            while True:
+                iteration, position = pool.progress.where(self.rank)
+                if iteration >= self.iteration and n // 4 <= position < 3 * n // 4:
+                    break
+                assert time.monotonic() < deadline, f"rank {self.rank} never got there"
+                time.sleep(0.002)
+            self.pids = pool.pids
+            os.kill(self.pids[self.rank], signal.SIGKILL)
+            self.killed_at = time.monotonic()
+        except BaseException as exc:  # reported by join(): a thread's error is otherwise lost
+            self.error = exc
+
+    def join(self) -> None:
+        self._thread.join(timeout=10)
+        assert self.error is None, self.error
+        assert self.killed_at, "the worker was not killed"
+
+
+def _check_killed_run(err: WorkerError, killer: Killer, pool: LocalPool) -> None:
+    took = time.monotonic() - killer.killed_at
+    assert took < LONG.timeout_s, f"the run took {took:.1f} s to fail"
+    message = str(err)
+    # What the dead rank was doing is what its progress said last: an action mid-list.
+    doing = pool.progress.describe(LONG, 1)
+    assert message.startswith(f"rank 1 (stage 1, replica 0) died (killed by SIGKILL) while {doing}")
+    match = re.search(
+        r"(running|waiting for) .*action (\d+) of 130 on stage 1, iteration (\d+) of 20", doing
+    )
+    assert match and 3 <= int(match[3]) < 20, doing
+    assert "\nThe run was stopped; its other ranks:\n  rank 0 (stage 0, replica 0) was " in message
+    assert _wait_gone(killer.pids, 5) == [], "a process of the run outlived it"
+    assert not set(killer.pids) & {p.pid for p in multiprocessing.active_children()}
+
+
+def test_a_worker_killed_mid_iteration_fails_the_run_naming_what_it_was_doing() -> None:
+    pool = LocalPool(2, timeout_s=LONG.timeout_s)
+    killer = Killer(lambda: pool, rank=1, iteration=2)
+    with pytest.raises(WorkerError) as err:
+        pool.run(LONG)
+    killer.join()
+    _check_killed_run(err.value, killer, pool)
+    with pytest.raises(RuntimeError, match="this LocalPool is closed"):
+        pool.run(LONG)
+
+
+def test_a_worker_killed_under_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[LocalPool] = []
+
+    class Recorded(LocalPool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(tplib.runtime.pool, "LocalPool", Recorded)
+    killer = Killer(lambda: started[0] if started else None, rank=1, iteration=2)
+    with pytest.raises(WorkerError) as err:
+        launch(LONG)
+    killer.join()
+    _check_killed_run(err.value, killer, started[0])
+
+
+_HOLD_A_POOL = """
+import sys
+from tplib.runtime import LocalPool
+pool = LocalPool(2, timeout_s=5)
+pool.wait_ready()
+print(*pool.pids, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_exit_when_the_process_that_started_them_is_killed() -> None:
+    """As when a notebook kernel holding a pool is killed: nothing would ever send the
+    workers work again, nor stop them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_POOL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        pids = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(pids) == 2 and _alive(pids) == pids
+    finally:
+        proc.kill()
+        proc.wait()
+    left = _wait_gone(pids, 10)
+    for pid in left:  # do not leave them behind for the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "pool workers outlived their parent"
+
+
+def test_torchrun_with_a_killed_worker_fails_and_writes_no_results(tmp_path: Path) -> None:
+    save_run_config(LONG, tmp_path / "run.json")
+    out = tmp_path / "result.pt"
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tplib.runtime.torchrun",
+            "--config",
+            str(tmp_path / "run.json"),
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    agent = psutil.Process(proc.pid)
+    try:
+        workers = _connected_workers(agent, 120)
+        workers[1].kill()
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - killed_at
+    assert proc.returncode != 0 and took < LONG.timeout_s, took
+    # torchrun's agent names the killed rank (what it was doing died with it).
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", stderr), stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no result, no temp
+    assert _wait_gone([w.pid for w in workers], 5) == []
+
+
+def _connected_workers(agent: Any, timeout_s: float) -> list[Any]:
+    """torchrun's two workers, once they have joined their process group (gloo connects
+    every pair of ranks as the group starts; training follows within milliseconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = agent.children()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if len(workers) == 2:
+                ends = [{(c.laddr, c.raddr) for c in w.net_connections("tcp")} for w in workers]
+                if any((raddr, laddr) in ends[1] for laddr, raddr in ends[0] if raddr):
+                    return sorted(workers, key=lambda w: int(w.environ()["LOCAL_RANK"]))
+        time.sleep(0.05)
+    raise AssertionError("torchrun's workers never connected")

@@ -17,6 +17,9 @@ memory: then every collective and message is staged there (``staged``).
 
 from __future__ import annotations
 
+import datetime
+import time
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -35,7 +38,7 @@ class RankGroups:
     """One rank's view of the run's process groups and peers."""
 
     def __init__(self, run: RunConfig, rank: int, device: torch.device) -> None:
-        self.run = run
+        self.run, self.rank = run, rank
         self.replica, self.stage, self.op_rank = run.position(rank)
         self.staged = device.type == "cuda" and dist.get_backend() == "gloo"
         k, r, n = run.n_stages, run.n_data, run.n_op
@@ -104,6 +107,25 @@ class RankGroups:
         if action.kind in (Kind.RA, Kind.SG):
             return 0, self.run.rank_of(rep, k - 1, last)
         return last, self.run.rank_of(rep, k + 1, 0)  # RG
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for a point-to-point message, at most the run's ``timeout_s``; the error
+        says ``what`` was awaited, and whether the peer was slow or gone."""
+        start = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.run.timeout_s))
+        except RuntimeError as exc:
+            waited = time.monotonic() - start
+            who = f"stage {self.stage} (rank {self.rank})"
+            if waited < 0.9 * self.run.timeout_s:  # gloo gave up early: the link broke
+                raise ConnectionError(
+                    f"{who} lost its peer after {waited:.1f} s of waiting for {what}: the peer "
+                    f"exited or its connection broke: {exc}"
+                ) from exc
+            raise TimeoutError(
+                f"{who} waited {self.run.timeout_s:g} s for {what}; the peer is stuck or has "
+                f"failed: {exc}"
+            ) from exc
 
     def broadcast_from(self, tensor: Tensor, carrier: int) -> None:
         """Share what op rank ``carrier`` received with the rest of the #Op group."""

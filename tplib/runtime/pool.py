@@ -13,16 +13,23 @@ measured tables stay fast::
 A worker that raises fails the whole run at once with that worker's traceback; the other
 workers are terminated rather than left waiting. Receives time out after
 ``RunConfig.timeout_s`` with a message naming the waiting stage and what it waited for.
-The same worker runs across nodes under torchrun: :mod:`tplib.runtime.torchrun`.
+A worker that dies without a word (SIGKILL, the out-of-memory killer) fails the run
+within a second, with what it was doing (its :class:`~tplib.runtime.rank.Progress`) and
+what every other rank was doing; a worker whose parent dies exits too. The same worker
+runs across nodes under torchrun: :mod:`tplib.runtime.torchrun`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing
+import os
 import queue
+import signal
 import socket
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -37,6 +44,7 @@ import torch.multiprocessing as mp
 from tplib.machine import threads_per_process
 from tplib.oppart import merge_shards, shard_spec
 from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.rank import Progress
 from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
 
 __all__ = ["LocalPool", "RunResult", "WorkerError", "free_port", "launch"]
@@ -138,9 +146,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# How long a failed run waits for a dead worker to show: a killed worker's peers see its
+# connections close (and report that) a moment before the pool sees its exit.
+_DEATH_GRACE_S = 1.0
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the process that started the pool is gone (killed, say, with the
+    notebook kernel that held the pool): nobody is left to send work or read results, and
+    the queues would keep this process waiting forever."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        parent.join()
+        os._exit(1)
+
+
 def _pool_worker(
-    rank: int, world_size: int, port: int, backend: str, timeout_s: float, jobs: Any, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    jobs: Any,
+    results: Any,
+    progress: Progress,
 ) -> None:
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
         torch.set_num_threads(threads_per_process(world_size))
         if torch.cuda.is_available():
@@ -163,7 +194,8 @@ def _pool_worker(
         run, hooks = job
         try:
             torch.set_num_threads(run.threads or threads_per_process(world_size))
-            results.put(("ok", rank, run_worker(run, rank, hooks)))
+            results.put(("ok", rank, run_worker(run, rank, hooks, progress)))
+            progress.set(rank, 0, Progress.IDLE)
         except BaseException:
             results.put(("error", rank, traceback.format_exc()))
     # No destroy_process_group(): it waits on peers, and the process is exiting anyway.
@@ -182,10 +214,20 @@ class LocalPool:
         port = free_port()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
+        self.progress = Progress.shared(ctx, world_size)  # where each worker is
         self._procs = [
             ctx.Process(
                 target=_pool_worker,
-                args=(rank, world_size, port, backend, timeout_s, self._jobs[rank], self._results),
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    backend,
+                    timeout_s,
+                    self._jobs[rank],
+                    self._results,
+                    self.progress,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -194,6 +236,50 @@ class LocalPool:
             p.start()
         self._closed = False
         self._ready: set[int] = set()
+        self._run: RunConfig | None = None  # the run in flight
+
+    @property
+    def pids(self) -> list[int]:
+        """Each rank's process id."""
+        return [p.pid or 0 for p in self._procs]
+
+    def _who(self, rank: int) -> str:
+        if self._run is None:
+            return f"rank {rank}"
+        replica, stage, op_rank = self._run.position(rank)
+        op = f", op rank {op_rank}" if self._run.n_op > 1 else ""
+        return f"rank {rank} (stage {stage}, replica {replica}{op})"
+
+    def _doing(self, rank: int) -> str:
+        if self._run is None:
+            return "starting" if rank not in self._ready else "waiting for a run"
+        return self.progress.describe(self._run, rank)
+
+    def _dead(self) -> list[int]:
+        return [r for r, p in enumerate(self._procs) if not p.is_alive()]
+
+    def _fail(self, message: str) -> WorkerError:
+        """Stop every worker; the error to raise."""
+        self.close(force=True)
+        return WorkerError(message)
+
+    def _died(self, dead: list[int], reports: dict[int, str]) -> WorkerError:
+        """The error for workers that exited without a result: what each was doing then,
+        and what the others were doing (and said) when the run was stopped."""
+        lines = []
+        for r in dead:
+            code = self._procs[r].exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit {code}"
+            lines.append(f"{self._who(r)} died ({how}) while {self._doing(r)}")
+        alive = [r for r in range(self.world_size) if r not in dead]
+        if alive:
+            lines.append("The run was stopped; its other ranks:")
+        for r in alive:
+            said = reports[r].strip().splitlines()[-1] if r in reports else ""
+            lines.append(
+                f"  {self._who(r)} was {self._doing(r)}" + (f"; it said: {said}" if said else "")
+            )
+        return self._fail("\n".join(lines))
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until every process has started and joined the process group: from then
@@ -202,24 +288,43 @@ class LocalPool:
         while len(self._ready) < self.world_size:
             status, rank, payload = self._next(deadline, "start")
             if status != "ready":
-                self.close(force=True)
-                raise WorkerError(f"rank {rank} failed to start:\n{payload}")
+                raise self._fail(f"rank {rank} failed to start:\n{payload}")
             self._ready.add(rank)
 
     def _next(self, deadline: float, what: str) -> tuple[str, int, Any]:
         """The next message from a worker; WorkerError if one died or time ran out."""
         while True:
             try:
-                message: tuple[str, int, Any] = self._results.get(timeout=0.5)
+                message: tuple[str, int, Any] = self._results.get(timeout=0.2)
                 return message
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                dead = self._dead()
                 if dead:
-                    self.close(force=True)
-                    raise WorkerError(f"worker processes exited without a result: {dead}") from None
+                    raise self._died(dead, {}) from None
                 if time.monotonic() > deadline:
-                    self.close(force=True)
-                    raise WorkerError(f"the pool's processes did not {what} in time") from None
+                    doing = "".join(
+                        f"\n  {self._who(r)} was {self._doing(r)}" for r in range(self.world_size)
+                    )
+                    raise self._fail(
+                        f"the pool's processes did not {what} in time:{doing}"
+                    ) from None
+
+    def _failed(self, rank: int, payload: str) -> WorkerError:
+        """The error for a worker that reported one: its own, unless a worker died (whose
+        peers then report a broken connection, not the cause)."""
+        reports = {rank: payload}
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while not self._dead() and time.monotonic() < deadline:
+            try:
+                status, other, text = self._results.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if status == "error":
+                reports.setdefault(other, text)
+        dead = self._dead()
+        if dead:
+            return self._died(dead, reports)
+        return self._fail(f"{self._who(rank)} failed:\n{payload}")
 
     def run(self, run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
         """Run ``run`` on the pool's processes and gather every rank's result."""
@@ -229,6 +334,7 @@ class LocalPool:
         if run.device == "cpu" and self.backend == "nccl":
             raise ValueError("device='cpu' cannot run on backend='nccl': use gloo for CPU runs")
         self.wait_ready()
+        self._run = run
         for q in self._jobs:
             q.put((run, hooks))
         ranks: dict[int, RankResult] = {}
@@ -238,13 +344,9 @@ class LocalPool:
         while len(ranks) < self.world_size:
             status, rank, payload = self._next(deadline, f"finish the run within {budget:.0f} s")
             if status == "error":
-                self.close(force=True)
-                replica, stage, op_rank = run.position(rank)
-                op = f", op rank {op_rank}" if run.n_op > 1 else ""
-                raise WorkerError(
-                    f"rank {rank} (stage {stage}, replica {replica}{op}) failed:\n{payload}"
-                )
+                raise self._failed(rank, payload)
             ranks[rank] = payload
+        self._run = None
         return RunResult(run, [ranks[r] for r in range(self.world_size)])
 
     def close(self, force: bool = False) -> None:
@@ -261,6 +363,9 @@ class LocalPool:
                 p.terminate()
         for p in self._procs:
             p.join(timeout=5)
+            if p.is_alive():  # deaf to SIGTERM: no process of the pool outlives it
+                p.kill()
+                p.join()
 
     def __enter__(self) -> LocalPool:
         return self

@@ -1,4 +1,5 @@
-"""What one rank of a run returns: :class:`RankResult`, with its trace rows.
+"""What one rank of a run returns, :class:`RankResult` with its trace rows, and where it
+is while it runs, :class:`Progress`.
 
 A trace row is one action a rank ran: where (rank, stage, replica, op rank), which
 iteration it belongs to (counted from the first timed one), what (kind, unit ``b``,
@@ -8,13 +9,20 @@ the pass over the schedule).
 
 from __future__ import annotations
 
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import Tensor
 
 from tplib.runtime.memory import StageMemory
+from tplib.schedule import Kind
 
-__all__ = ["TRACE_COLUMNS", "RankResult", "TraceRow"]
+if TYPE_CHECKING:
+    from tplib.runtime.config import RunConfig
+
+__all__ = ["TRACE_COLUMNS", "Progress", "RankResult", "TraceRow"]
 
 TRACE_COLUMNS = (
     "rank",
@@ -53,3 +61,69 @@ class RankResult:
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
     weight_versions: int = 1  # the most weight versions the stage held at once
+
+
+class Progress:
+    """Where each rank is: its iteration and the index of the action it runs in its
+    stage's list, or (negative) a phase outside the list.
+
+    Kept in memory shared with the process that started the ranks (:meth:`shared`), it
+    is what that process reports when a rank dies without a word (SIGKILL, the
+    out-of-memory killer) or stops answering. Each rank writes only its own two cells,
+    and a store of one machine word needs no lock.
+    """
+
+    IDLE, SETUP, BARRIER, DRAIN, RESULTS = -1, -2, -3, -4, -5
+    _PHASES: ClassVar[dict[int, str]] = {
+        IDLE: "waiting for a run",
+        SETUP: "building its stage and process groups",
+        BARRIER: "at the barrier before iteration {i} of {n}",
+        DRAIN: "completing its sends of iteration {i} of {n}, or at the barrier after it",
+        RESULTS: "measuring its memory and returning its results",
+    }
+
+    def __init__(self, cells: MutableSequence[int]) -> None:
+        self._cells = cells  # rank r: [2r] its iteration, [2r + 1] its position
+        for r in range(len(cells) // 2):
+            self.set(r, 0, self.IDLE)
+
+    @classmethod
+    def shared(cls, ctx: BaseContext, world_size: int) -> Progress:
+        """Progress in shared memory, handed to processes ``ctx`` starts."""
+        return cls(ctx.RawArray("q", 2 * world_size))
+
+    @classmethod
+    def local(cls, world_size: int) -> Progress:
+        """Progress nobody else reads (a rank started by torchrun)."""
+        return cls([0] * (2 * world_size))
+
+    def set(self, rank: int, iteration: int, position: int) -> None:
+        self._cells[2 * rank], self._cells[2 * rank + 1] = iteration, position
+
+    def where(self, rank: int) -> tuple[int, int]:
+        """(iteration, position) of ``rank``."""
+        return self._cells[2 * rank], self._cells[2 * rank + 1]
+
+    def describe(self, run: RunConfig, rank: int) -> str:
+        """What ``rank`` of ``run`` is doing, in words."""
+        iteration, position = self.where(rank)
+        n = run.warmup + run.steps  # counted from 1 below, warm-up included
+        if position < 0:
+            return self._PHASES[position].format(i=iteration + 1, n=n)
+        stage = run.position(rank)[1]
+        schedule = run.schedule_data
+        actions = schedule.actions[stage]
+        action = actions[position]
+        unit = f"b{action.b} t{action.t} ({action})"
+        if action.kind is Kind.RA:
+            doing = f"waiting for the activation of {unit} from stage {stage - 1}"
+        elif action.kind is Kind.RG:
+            doing = f"waiting for the gradient of {unit} from stage {stage + 1}"
+        else:
+            doing = f"running {action}"
+        where = f"action {position + 1} of {len(actions)} on stage {stage}"
+        if schedule.asynchronous:  # one pass runs every iteration: the unit's says which
+            iteration = schedule.iteration_of(action.b) if action.b >= 0 else -1
+        if iteration >= 0:
+            where += f", iteration {iteration + 1} of {n}"
+        return f"{doing}, {where}"

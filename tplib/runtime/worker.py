@@ -17,7 +17,8 @@ first installs the weight version it names (:mod:`tplib.runtime.versions`).
 
 Communication semantics are the ones the schedule validator checks: a send is posted
 asynchronously and completed before the all-reduce; a receive blocks, with a timeout,
-until its tensor arrives. Every action is timed into a trace.
+until its tensor arrives. Every action is timed into a trace, and where the rank is goes
+to a :class:`~tplib.runtime.rank.Progress` that the pool reports if the rank dies.
 
 Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
 allocator's peak, or on CPU what autograd saves and the executor holds, plus the
@@ -26,7 +27,6 @@ parameters, gradients (kept allocated between steps), optimizer state and K/V co
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import time
 from collections.abc import Callable
@@ -46,7 +46,7 @@ from tplib.precision import autocast, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
-from tplib.runtime.rank import TRACE_COLUMNS, RankResult
+from tplib.runtime.rank import TRACE_COLUMNS, Progress, RankResult
 from tplib.runtime.update import Update
 from tplib.runtime.versions import WeightVersions
 from tplib.schedule import Action, Kind
@@ -76,8 +76,12 @@ Handler = Callable[["Worker", Action, _Iteration], None]
 class Worker:
     """One rank of a run: its stage shard, optimizer, executor and process groups."""
 
-    def __init__(self, run: RunConfig, rank: int, hooks: Hooks = Hooks()) -> None:
+    def __init__(
+        self, run: RunConfig, rank: int, hooks: Hooks = Hooks(), progress: Progress | None = None
+    ) -> None:
         self.run, self.rank, self.hooks = run, rank, hooks
+        self.progress = progress or Progress.local(run.world_size)
+        self.progress.set(rank, 0, Progress.SETUP)
         self.replica, self.stage_id, self.op_rank = run.position(rank)
         self.schedule = run.schedule_data
         self.plan = self.schedule.plan  # an asynchronous one: every iteration's units
@@ -119,7 +123,6 @@ class Worker:
             # Contexts up front: they are static memory, never counted as activations.
             for b in range(self.plan.n_batch_slices):
                 self.meter.exclude(context_tensors([self.executor.context(b)]))
-        self.timeout = datetime.timedelta(seconds=run.timeout_s)
         self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
 
     # ---- the actions ----------------------------------------------------------------
@@ -135,16 +138,13 @@ class Worker:
         if self.op_rank == carrier:
             work = dist.irecv(buf, peer)
             assert work is not None  # point-to-point ops always return their Work
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as exc:
-                activation = action.kind is Kind.RA
-                raise TimeoutError(
-                    f"stage {self.stage_id} (rank {self.rank}) waited {self.run.timeout_s:g} s "
-                    f"for the {'activation' if activation else 'gradient'} from stage "
-                    f"{self.stage_id + (-1 if activation else 1)} (rank {peer}) of unit b{b} "
-                    f"t{t} ({action}); the peer is stuck or has failed: {exc}"
-                ) from exc
+            activation = action.kind is Kind.RA
+            self.groups.wait(
+                work,
+                f"the {'activation' if activation else 'gradient'} from stage "
+                f"{self.stage_id + (-1 if activation else 1)} (rank {peer}) of unit b{b} t{t} "
+                f"({action})",
+            )
         self.groups.broadcast_from(buf, carrier)
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
         it.received[consumer, b, t] = buf.to(self.device)
@@ -257,13 +257,7 @@ class Worker:
 
     def _wait_sends(self, pending: list[tuple[dist.Work, Tensor, Action]]) -> None:
         for work, _, action in pending:
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as exc:
-                raise TimeoutError(
-                    f"stage {self.stage_id} (rank {self.rank}) could not complete {action} to "
-                    f"rank {self.groups.wire(action)[1]} within {self.run.timeout_s:g} s: {exc}"
-                ) from exc
+            self.groups.wait(work, f"{action} to rank {self.groups.wire(action)[1]} to complete")
         pending.clear()
 
     def iteration(self, index: int, record: bool) -> None:
@@ -283,6 +277,7 @@ class Worker:
             self.executor.dropout = DropoutKey.for_iteration(
                 run.seed, index, self.replica * run.pipeline_batch
             )
+        self.progress.set(self.rank, index, Progress.BARRIER)
         dist.barrier()
         t0 = time.perf_counter()
         self._maybe_fault()
@@ -292,6 +287,7 @@ class Worker:
         with autocast(run.precision, self.device.type), meter:
             for position, action in enumerate(self.schedule.actions[self.stage_id]):
                 self.position = position
+                self.progress.set(self.rank, index, position)
                 handler = self.DISPATCH.get(action.kind)
                 if handler is None:
                     raise NotImplementedError(
@@ -308,6 +304,7 @@ class Worker:
                         updates_s.append(time.perf_counter() - t0)
                 if record:
                     self._trace(index, action, start - t0, t0)
+            self.progress.set(self.rank, index + n - 1, Progress.DRAIN)
             self._wait_sends(it.pending)
         if self.versions is not None:
             self.versions.restore()
@@ -377,6 +374,7 @@ class Worker:
         else:
             for i in range(self.run.warmup + self.run.steps):
                 self.iteration(i, record=i >= self.run.warmup)
+        self.progress.set(self.rank, self.run.warmup + self.run.steps - 1, Progress.RESULTS)
         self.result.memory = self._memory()
         self.result.grad_norms = [float(n) for n in self.update.grad_norms]
         self.result.steps_skipped = self.update.steps_skipped
@@ -387,7 +385,10 @@ class Worker:
         return self.result
 
 
-def run_worker(run: RunConfig, rank: int, hooks: Hooks = Hooks()) -> RankResult:
-    """Train ``run`` as ``rank`` of an initialised default process group."""
+def run_worker(
+    run: RunConfig, rank: int, hooks: Hooks = Hooks(), progress: Progress | None = None
+) -> RankResult:
+    """Train ``run`` as ``rank`` of an initialised default process group, telling
+    ``progress`` where it is."""
     run.check_world_size(dist.get_world_size())
-    return Worker(run, rank, hooks).train()
+    return Worker(run, rank, hooks, progress).train()
