@@ -18,7 +18,7 @@ constant rate, decay on every parameter), and the erf GELU runs each schedule.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from tplib.oppart import shard_spec
 from tplib.plan import Plan
 from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
 from tplib.runtime.worker import Worker
-from tplib.schedule import Kind
+from tplib.schedule import ASYNC_SCHEDULES, SCHEDULES, Kind
 
 SEQ_LEN = 16
 BATCH_PER_REPLICA = 2
@@ -273,3 +273,79 @@ def test_memory_is_counted_unless_turned_off(pools: Callable[[int], LocalPool]) 
     off = pools(2).run(run, Hooks(count_memory=False))
     assert all(r.memory is None for r in off.ranks)
     assert off.losses == counted.losses  # counting does not change what is computed
+
+
+# ---- determinism: the same configuration and seed, the same bits ---------------------------
+
+# Every registered schedule on 2 stages, token-sliced where it slices; the synchronous ones
+# with dropout, whose masks are keyed by position and seed (the asynchronous ones refuse it).
+DETERMINISM = {
+    "gpipe": Plan.gpipe(2, SEQ_LEN),
+    "terapipe": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "1f1b": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
+    "terapipe-zb": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "1f1b-zb": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "pipedream": Plan((2,), ((5, 11),)),
+    "2bw": Plan((1, 1), ((5, 11), (5, 11))),
+}
+
+
+@pytest.fixture(scope="module")
+def other_pool() -> Iterator[LocalPool]:
+    """A second pool of 2 ranks: other processes, with other hash seeds and histories."""
+    with LocalPool(2, timeout_s=60) as pool:
+        yield pool
+
+
+def _determinism_config(schedule: str, seed: int = 0) -> RunConfig:
+    asynchronous = schedule in ASYNC_SCHEDULES
+    return RunConfig(
+        model="tiny",
+        schedule=schedule,
+        n_stages=2,
+        batch=DETERMINISM[schedule].batch,
+        seq_len=SEQ_LEN,
+        slicing=DETERMINISM[schedule],
+        steps=3,
+        grad_clip=0.0 if asynchronous else 1.0,
+        seed=seed,
+        timeout_s=60,
+        model_overrides=() if asynchronous else (("dropout", 0.1),),
+    )
+
+
+def _assert_identical(a: RunResult, b: RunResult, what: str) -> None:
+    assert torch.equal(torch.tensor(a.losses, dtype=torch.float64), torch.tensor(b.losses)), (
+        f"{what}: losses {a.losses} != {b.losses}"
+    )
+    assert a.grad_norms == b.grad_norms, f"{what}: gradient norms"
+    for name, tensors in (("gradient", RunResult.grads), ("parameter", RunResult.params)):
+        mine, theirs = tensors(a), tensors(b)
+        assert mine.keys() == theirs.keys()
+        for key, t in mine.items():
+            diff = (t - theirs[key]).abs().max().item()
+            assert torch.equal(t, theirs[key]), f"{what}: {name} {key} differs by up to {diff:.3e}"
+
+
+def test_determinism_covers_every_registered_schedule() -> None:
+    assert set(DETERMINISM) == set(SCHEDULES) | set(ASYNC_SCHEDULES)
+
+
+@pytest.mark.parametrize("schedule", list(DETERMINISM))
+def test_same_configuration_and_seed_give_identical_bits(
+    pools: Callable[[int], LocalPool], other_pool: LocalPool, schedule: str
+) -> None:
+    run = _determinism_config(schedule)
+    first = pools(2).run(run, COLLECT)
+    # The same processes again (nothing a run leaves behind changes the next), then others.
+    _assert_identical(first, pools(2).run(run, COLLECT), "the same pool, run again")
+    _assert_identical(first, other_pool.run(run, COLLECT), "another pool")
+    assert len(first.losses) == 3 and len(set(first.losses)) == 3  # it trains
+
+
+def test_another_seed_gives_other_bits(pools: Callable[[int], LocalPool]) -> None:
+    """The comparison above can fail: a change of seed alone shows up in every parameter."""
+    run = _determinism_config("terapipe")
+    a, b = pools(2).run(run, COLLECT), pools(2).run(_determinism_config("terapipe", 1), COLLECT)
+    assert a.losses != b.losses
+    assert all(not torch.equal(p, b.params()[key]) for key, p in a.params().items())
