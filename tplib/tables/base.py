@@ -34,6 +34,7 @@ __all__ = [
     "Table",
     "TableMode",
     "TableResult",
+    "is_timing",
     "run",
 ]
 
@@ -43,6 +44,11 @@ MODES: tuple[Mode, ...] = ("simulate", "measure")
 # comparisons with a reference leave them out. Everything else in a simulated table is
 # deterministic.
 TIMING_COLUMNS = frozenset({"plan_seconds", "profile_seconds"})
+
+
+def is_timing(column: str) -> bool:
+    """A wall-time column: one of :data:`TIMING_COLUMNS` or a per-method ``plan_seconds_*``."""
+    return column in TIMING_COLUMNS or column.startswith("plan_seconds_")
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,10 +158,20 @@ class TableResult:
         stem = f"{self.table.name}-{tag or self.mode}"
         return Path(out_dir) / f"{stem}.csv", Path(out_dir) / f"{stem}.png"
 
+    def csv_frame(self) -> pd.DataFrame:
+        """What :meth:`save` writes to the CSV: the rows, without the wall times of a
+        simulated table."""
+        if self.mode != "simulate":
+            return self.df
+        return self.df.drop(columns=[c for c in self.df.columns if is_timing(c)])
+
     def save(self, out_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, Path]:
-        """Write the CSV and the figure, each atomically; return their paths."""
+        """Write the CSV and the figure, each atomically; return their paths. A simulated
+        table's CSV leaves out the wall times (:meth:`csv_frame`): everything else in it
+        is deterministic, so rerunning it leaves a committed CSV as it was. The executed
+        notebook still shows them."""
         csv, png = self.paths(out_dir, tag)
-        write_csv(self.df, csv)
+        write_csv(self.csv_frame(), csv)
         save_figure(self.figure, png)
         return csv, png
 
