@@ -17,14 +17,20 @@ GPipe's microbatching is the special case of one token slice per batch slice.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TypeVar
 
-__all__ = ["Plan", "Unit", "grid_size"]
+__all__ = ["MAX_SCHEME_ITEMS", "Plan", "Unit", "grid_size"]
 
 T = TypeVar("T")
+
+# The most items (numbers, lists and tuples) a scheme in the paper's notation may expand
+# to: far beyond any real plan (the paper's largest has a few hundred), small enough that
+# ``[(1, [1] * 10**12)]`` is refused at once instead of filling memory.
+MAX_SCHEME_ITEMS = 1 << 20
 
 
 def grid_size(seq_len: int, granularity: int) -> int:
@@ -65,10 +71,17 @@ class Plan:
     eps: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "batch_slices", tuple(int(b) for b in self.batch_slices))
-        object.__setattr__(
-            self, "token_slices", tuple(tuple(int(s) for s in ts) for ts in self.token_slices)
+        sizes = _whole_numbers(self.batch_slices, "batch slice sizes", "batch slice {} has size")
+        tokens = tuple(
+            _whole_numbers(
+                ts,
+                f"token slices of batch slice {b}",
+                f"token slice {{}} of batch slice {b} has length",
+            )
+            for b, ts in enumerate(_as_tuple(self.token_slices, "token slicings"))
         )
+        object.__setattr__(self, "batch_slices", sizes)
+        object.__setattr__(self, "token_slices", tokens)
         if not self.batch_slices:
             raise ValueError("plan has no batch slices: a plan needs at least one")
         if len(self.batch_slices) != len(self.token_slices):
@@ -137,6 +150,7 @@ class Plan:
 
     def check_covers(self, batch: int, seq_len: int) -> None:
         """Raise ``ValueError`` unless the plan covers exactly ``batch`` x ``seq_len``."""
+        _check_counts(batch=batch, seq_len=seq_len)
         if self.batch != batch:
             raise ValueError(
                 f"plan's batch slices {list(self.batch_slices)} sum to {self.batch}, "
@@ -156,7 +170,13 @@ class Plan:
     ) -> Plan:
         """Equal batch slices of ``batch_slice_size`` sequences, each cut into
         ``n_token_slices`` token slices as equal as integers allow (longer ones first)."""
-        if batch_slice_size <= 0 or batch % batch_slice_size:
+        _check_counts(
+            batch=batch,
+            seq_len=seq_len,
+            batch_slice_size=batch_slice_size,
+            n_token_slices=n_token_slices,
+        )
+        if batch % batch_slice_size:
             raise ValueError(
                 f"batch_slice_size={batch_slice_size} does not divide batch={batch}: "
                 "uniform batch slices must split the batch evenly"
@@ -176,15 +196,22 @@ class Plan:
     @classmethod
     def from_paper(cls, text: str) -> Plan:
         """Parse the paper's notation, e.g. ``[(1, [64] * 26 + [56] * 6 + [48])] * 2``."""
+        if not isinstance(text, str):
+            raise ValueError(f"slicing scheme {text!r} is not a string in the paper's notation")
         try:
-            value = _eval_literal(ast.parse(text.strip(), mode="eval").body)
+            value, _ = _eval_literal(ast.parse(text.strip(), mode="eval").body)
         except (SyntaxError, ValueError, TypeError) as exc:
-            raise ValueError(f"cannot parse slicing scheme {text!r}: {exc}") from exc
+            raise ValueError(f"cannot parse slicing scheme {_short(text)}: {exc}") from exc
+        except (RecursionError, MemoryError):
+            raise ValueError(
+                f"cannot parse slicing scheme {_short(text)}: nested too deeply"
+            ) from None
         if not isinstance(value, list) or not all(
             isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], list) for x in value
         ):
             raise ValueError(
-                f"slicing scheme {text!r} is not a list of (batch size, [token lengths]) pairs"
+                f"slicing scheme {_short(text)} is not a list of (batch size, [token lengths]) "
+                "pairs"
             )
         return cls(tuple(x[0] for x in value), tuple(tuple(x[1]) for x in value))
 
@@ -218,19 +245,79 @@ def _runs(items: Sequence[T]) -> list[tuple[T, int]]:
     return out
 
 
-def _eval_literal(node: ast.AST) -> object:
-    """Evaluate the tiny expression language of the paper's slicing schemes:
-    int literals, lists, tuples, list ``+`` list and list ``*`` int. Nothing else."""
+def _as_tuple(value: object, what: str) -> tuple[object, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"plan's {what} are {value!r}, not a sequence: give a tuple or a list")
+    return tuple(value)
+
+
+def _whole_numbers(values: object, what: str, each: str) -> tuple[int, ...]:
+    """``values`` as ints; ``each`` names one (``{}``: its index). Integral floats pass (a
+    planner's numpy arithmetic may make them); 1.5, '4', True or None do not."""
+    out = []
+    for i, x in enumerate(_as_tuple(values, what)):
+        if (
+            isinstance(x, bool)
+            or not isinstance(x, numbers.Integral | float)
+            or (isinstance(x, float) and not x.is_integer())
+        ):
+            raise ValueError(f"{each.format(i)} {x!r}: {what} must be whole numbers")
+        out.append(int(x))
+    return tuple(out)
+
+
+def _check_counts(**counts: object) -> None:
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"{name}={n!r} must be a positive integer")
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """``text`` quoted, cut short: an error need not repeat a megabyte of input."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _eval_literal(node: ast.AST) -> tuple[object, int]:
+    """Evaluate the tiny expression language of the paper's slicing schemes: int
+    literals (negative ones too, so that Plan can name them), lists, tuples, list ``+``
+    list and list ``*`` a positive int. Nothing else. Returns the value and its size:
+    how many numbers, lists and tuples it holds, at most :data:`MAX_SCHEME_ITEMS`."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_eval_literal(e) for e in node.elts]
-    if isinstance(node, ast.Tuple):
-        return tuple(_eval_literal(e) for e in node.elts)
+        return node.value, 1
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) is int
+    ):
+        return -node.operand.value, 1
+    if isinstance(node, ast.List | ast.Tuple):
+        items = [_eval_literal(e) for e in node.elts]
+        values = [v for v, _ in items]
+        size = _at_most(1 + sum(n for _, n in items), node)
+        return (values if isinstance(node, ast.List) else tuple(values)), size
     if isinstance(node, ast.BinOp):
-        left, right = _eval_literal(node.left), _eval_literal(node.right)
+        (left, n_left), (right, n_right) = _eval_literal(node.left), _eval_literal(node.right)
         if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-            return left + right
-        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
-            return left * right
-    raise ValueError(f"unsupported element {ast.dump(node)!r}")
+            return left + right, _at_most(n_left + n_right - 1, node)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and type(right) is int:
+            if right < 1:
+                raise ValueError(
+                    f"{_short(ast.unparse(node))} repeats a list {right} times: a repeat "
+                    "count must be a positive integer"
+                )
+            size = _at_most(1 + (n_left - 1) * right, node)  # before the product fills memory
+            return left * right, size
+    raise ValueError(
+        f"unsupported element {_short(ast.unparse(node))}: the notation has integers, "
+        "lists, (batch size, [lengths]) tuples, list + list and list * count"
+    )
+
+
+def _at_most(size: int, node: ast.AST) -> int:
+    if size > MAX_SCHEME_ITEMS:
+        raise ValueError(
+            f"{_short(ast.unparse(node))} expands to {size} numbers and lists, more than "
+            f"the {MAX_SCHEME_ITEMS} a slicing scheme may hold"
+        )
+    return size
