@@ -4,6 +4,7 @@ and the summary compares each table with the paper and the committed reference."
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -20,6 +22,9 @@ import tplib.reproduce as rp
 from tplib.reproduce import Job, default_jobs, reproduce
 from tplib.reproduce.summary import equal_to_reference, section
 from tplib.tables import get_table
+
+# psutil (which ipykernel requires) ships no type information: its objects are Any here.
+psutil: Any = importlib.import_module("psutil")
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
@@ -113,6 +118,127 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert summary.count("**Equal to the committed reference**") == 5, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
     assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
+
+
+# ---- killed while a notebook runs ----------------------------------------------------------
+
+CHEAP = {"main_results": {"settings": [1]}, "dp_ablation": {"settings": [8]}}
+PNG_END = b"IEND\xaeB`\x82"  # a PNG's last chunk: a truncated figure lacks it
+
+
+CODE = ("tplib", "notebooks", "pyproject.toml")
+
+
+def _code_copy(dest: Path) -> Path:
+    """tplib, the notebooks and pyproject.toml: a code version of its own, which edits to
+    this checkout while the test runs do not change (and so do not start a new run)."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "--", *CODE],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).write_bytes((ROOT / rel).read_bytes())
+    return dest
+
+
+def _complete(path: Path) -> bool:
+    """Whether a result file is whole: a notebook or CSV that parses, a PNG with its end."""
+    try:
+        if path.suffix == ".ipynb":
+            return bool(json.loads(path.read_text())["cells"])
+        if path.suffix == ".csv":
+            return len(pd.read_csv(path)) > 0
+        if path.suffix == ".png":
+            return path.read_bytes().endswith(PNG_END)
+    except (ValueError, KeyError, pd.errors.ParserError):
+        return False
+    return path.suffix == ".json" and bool(json.loads(path.read_text()))
+
+
+def _running_cell(out_dir: Path, name: str, code: str) -> bool:
+    """Whether papermill's copy of notebook ``name`` (its temporary file, which it rewrites
+    as each cell starts and ends) shows the cell holding ``code`` running."""
+    for tmp in out_dir.glob(f".{name}-*.ipynb"):
+        try:
+            cells = json.loads(tmp.read_text())["cells"]
+        except (OSError, ValueError, KeyError):
+            continue  # being rewritten
+        for cell in cells:
+            status = cell.get("metadata", {}).get("papermill", {}).get("status")
+            if code in "".join(cell["source"]) and status == "running":
+                return True
+    return False
+
+
+def test_a_run_killed_mid_notebook_redoes_only_that_notebook(tmp_path: Path) -> None:
+    copy = _code_copy(tmp_path / "repo")
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "tplib", "reproduce", "--mode", "simulate"]
+    command += ["--only", "main_results", "dp_ablation", "--params", json.dumps(CHEAP)]
+    command += ["--results", str(results)]
+    manifest = results / ".run.json"
+    first, second = results / "main_results", results / "dp_ablation"
+    proc = subprocess.Popen(
+        command, cwd=copy, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    tree: list[Any] = []
+    try:
+        deadline = time.monotonic() + 120
+        # The first notebook done, the second one's table being computed in its kernel.
+        while not (
+            manifest.exists()
+            and (jobs := json.loads(manifest.read_text())["jobs"])[0]["finished"]
+            and jobs[1]["started"]
+            and _running_cell(second, "dp_ablation-simulate", "run_table(")
+        ):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the second notebook never ran"
+            time.sleep(0.05)
+        # The kernel has a session of its own: killing the group does not reach it.
+        reproducing = psutil.Process(proc.pid)
+        tree = [reproducing, *reproducing.children(recursive=True)]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, f"processes of the killed run still running: {alive}"
+    assert len(tree) >= 2  # the reproduce process and its kernel
+
+    state = json.loads(manifest.read_text())
+    assert [j["finished"] for j in state["jobs"]] == [True, False] and state["finished"] is None
+    assert state["jobs"][1]["started"]
+    visible = sorted(p for p in results.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert [p.relative_to(results).as_posix() for p in visible][:3] == [
+        "main_results/main_results-simulate.csv",
+        "main_results/main_results-simulate.ipynb",
+        "main_results/main_results-simulate.png",
+    ]
+    # The interrupted notebook's executed copy is written only once it finished; its CSV
+    # and figure, if it got that far, whole.
+    assert not (second / "dp_ablation-simulate.ipynb").exists()
+    assert all(_complete(p) for p in visible), [p for p in visible if not _complete(p)]
+    hidden = [p for p in results.rglob(".*") if p != manifest]
+    assert all(p.parent == second and p.name.startswith(".dp_ablation-") for p in hidden)
+    kept = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in first.iterdir()}
+
+    out = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed an interrupted run: ran 1 of 2 notebooks (1 finished earlier" in out.stdout
+    assert "skip main_results (simulate): finished earlier in this run" in out.stdout
+    assert "redo dp_ablation (simulate): started earlier in this run, did not finish" in out.stdout
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in first.iterdir()} == kept
+    state = json.loads(manifest.read_text())
+    assert state["finished"] and all(j["finished"] for j in state["jobs"])
+    for name in (
+        "dp_ablation-simulate.ipynb",
+        "dp_ablation-simulate.csv",
+        "dp_ablation-simulate.png",
+    ):
+        assert _complete(second / name), name
+    assert [p for p in results.rglob(".*")] == [manifest]  # the temporary files removed
 
 
 # ---- resuming, with notebooks replaced by a stand-in ---------------------------------------

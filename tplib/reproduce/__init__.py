@@ -166,9 +166,12 @@ def reproduce(
                 skipped.append(job)
                 continue
             bar.set_postfix_str(label)
+            if manifest.interrupted(job):
+                bar.write(f"redo {label}: started earlier in this run, did not finish")
             # A run killed mid-notebook leaves the temporary files of atomic_write behind.
             for stale in job.out_dir.glob(f".{job.name}-*"):
                 stale.unlink()
+            manifest.mark_started(job)
             start = time.perf_counter()
             run_job(job)
             manifest.mark_done(job, time.perf_counter() - start)

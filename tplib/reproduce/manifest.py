@@ -1,11 +1,13 @@
 """The run manifest: what lets an interrupted ``make reproduce`` continue where it stopped.
 
 ``<results>/.run.json`` records the run in progress: the code version it runs (a hash of
-tplib's sources, the notebooks and pyproject.toml), each job with its parameters, and
-which jobs have finished. It is rewritten atomically after every job. A run started
-again resumes when the manifest describes the same jobs, parameters and code and has not
-finished; anything else (a finished run, other parameters, changed code, ``force``)
-starts a new run, which redoes every job.
+tplib's sources, the notebooks and pyproject.toml), each job with its parameters, when
+each job started and which have finished. It is rewritten atomically as each job starts
+and finishes, so a job started but not finished is one that was interrupted (or failed)
+while it ran. A run started again resumes when the manifest describes the same jobs,
+parameters and code and has not finished, and redoes only the jobs it had not finished;
+anything else (a finished run, other parameters, changed code, ``force``) starts a new
+run, which redoes every job.
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ class Manifest:
 
     path: Path
     code: str
-    jobs: list[dict[str, Any]]  # Job.record() plus "finished" and "seconds"
+    jobs: list[dict[str, Any]]  # Job.record() plus "started", "finished" and "seconds"
     started: str = field(default_factory=_now)
     finished: str | None = None  # when the whole run finished
 
     @classmethod
     def new(cls, path: Path, code: str, jobs: Sequence[Job]) -> Manifest:
-        records = [{**j.record(), "finished": False, "seconds": None} for j in jobs]
+        records = [
+            {**j.record(), "started": None, "finished": False, "seconds": None} for j in jobs
+        ]
         manifest = cls(path, code, records)
         manifest.save()
         return manifest
@@ -107,6 +111,15 @@ class Manifest:
         return bool(self._record(job)["finished"]) and all(
             p.exists() for p in (job.executed, job.csv, job.figure)
         )
+
+    def interrupted(self, job: Job) -> bool:
+        """Whether ``job`` started earlier in this run and did not finish."""
+        record = self._record(job)
+        return bool(record.get("started")) and not record["finished"]
+
+    def mark_started(self, job: Job) -> None:
+        self._record(job)["started"] = _now()
+        self.save()
 
     def mark_done(self, job: Job, seconds: float) -> None:
         record = self._record(job)
