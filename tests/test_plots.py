@@ -325,7 +325,7 @@ def test_main_results_figure_shows_latencies_and_speedups() -> None:
     df = _read(
         "main_results", ["setting", "model", *LATENCY_SERIES.values(), *SPEEDUP_SERIES.values()]
     )
-    fig = main_results_figure(df)
+    fig = main_results_figure(df, 0.15)
     _render(fig)
     assert len(fig.axes) == 2
     latency, speedup = fig.axes
@@ -336,6 +336,11 @@ def test_main_results_figure_shows_latencies_and_speedups() -> None:
     for tick, setting, model in zip(ticks, df.setting, df.model, strict=True):
         assert f"({setting})" in tick and model in tick
     _assert_series(speedup, df, SPEEDUP_SERIES)
+    assert speedup.get_title().endswith("±15%")
+    # No legend over the bars: each legend's box starts right of its axes.
+    for ax in (latency, speedup):
+        legend, box = ax.get_legend(), ax.get_window_extent()
+        assert legend is not None and legend.get_window_extent().x0 >= box.x1 - 1
     plt.close(fig)
 
 
@@ -359,7 +364,7 @@ def test_seqlen_figure_shows_latencies_and_speedups_per_length() -> None:
         "seqlen_sweep",
         ["seq_len", "pipeline_batch", *LATENCY_SERIES.values(), *SPEEDUP_SERIES.values()],
     )
-    fig = seqlen_figure(df)
+    fig = seqlen_figure(df, 0.15)
     _render(fig)
     assert len(fig.axes) == 2
     latency, speedup = fig.axes

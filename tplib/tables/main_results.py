@@ -102,17 +102,16 @@ TABLE = Table(
     {
         "simulate": TableMode(
             simulate,
-            figure=lambda rows: plots.main_results_figure(rows.df),
+            figure=lambda rows: plots.main_results_figure(rows.df, findings.SPEEDUP_TOLERANCE),
             findings=lambda df: findings.speedup_targets(df, "setting"),
             columns="setting model latency_gpipe paper_latency_gpipe latency_terapipe "
-            "paper_latency_terapipe speedup paper_speedup err_speedup tflops_per_gpu "
-            "paper_tflops_per_gpu latency_terapipe_zb latency_1f1b_zb speedup_zb gain_zb_over_terapipe",
+            "paper_latency_terapipe speedup paper_speedup err_speedup",
             compare=Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
         ),
         "measure": TableMode(
             measure,
             figure=lambda rows: (
-                plots.main_results_figure(rows.df)
+                plots.main_results_figure(rows.df, findings.SPEEDUP_TOLERANCE)
                 if from_nodes(rows.df)
                 else plots.measured_figure(rows.df, "pipeline_batch")
             ),

@@ -104,17 +104,16 @@ TABLE = Table(
     {
         "simulate": TableMode(
             simulate,
-            figure=lambda rows: plots.seqlen_figure(rows.df),
+            figure=lambda rows: plots.seqlen_figure(rows.df, findings.SPEEDUP_TOLERANCE),
             findings=lambda df: findings.speedup_targets(df, "seq_len"),
             columns="seq_len pipeline_batch latency_gpipe paper_latency_gpipe "
-            "latency_terapipe paper_latency_terapipe speedup paper_speedup err_speedup "
-            "latency_terapipe_zb latency_1f1b_zb speedup_zb gain_zb_over_terapipe",
+            "latency_terapipe paper_latency_terapipe speedup paper_speedup err_speedup",
             compare=Comparison(("seq_len",), "speedup", "paper_speedup", ("pipeline_batch",)),
         ),
         "measure": TableMode(
             measure,
             figure=lambda rows: (
-                plots.seqlen_figure(rows.df)
+                plots.seqlen_figure(rows.df, findings.SPEEDUP_TOLERANCE)
                 if from_nodes(rows.df)
                 else plots.measured_figure(rows.df, "seq_len")
             ),
