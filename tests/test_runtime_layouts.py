@@ -4,6 +4,7 @@ comes from the named source, and :func:`launch_commands` starts it on the paper'
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import stat
@@ -188,6 +189,8 @@ def test_torchrun_line(n: int) -> None:
     assert tokens[tokens.index("-m") + 1] == "tplib.runtime.torchrun"
     assert _option(tokens, "--config") == config and _option(tokens, "--out") == out
     assert _option(tokens, "--rdzv-backend") == "c10d"
+    # A node that never starts fails the rendezvous within the run's timeout, not 600 s.
+    assert _option(tokens, "--rdzv-conf") == f"join_timeout={math.ceil(run.timeout_s)}"
 
 
 def _fake(bin_dir: Path, name: str, body: str) -> None:

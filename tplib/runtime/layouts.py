@@ -11,6 +11,7 @@ it across nodes with torchrun, directly or under SLURM.
 
 from __future__ import annotations
 
+import math
 import shlex
 import subprocess
 import sys
@@ -104,14 +105,18 @@ def setting_run(
 
 def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
     """How to start ``run`` (saved as ``config``) on its nodes: a torchrun line for
-    every node, and the same under SLURM (``scripts/slurm/tplib-run.sbatch``: one
+    every node (a node that has not joined within ``run.timeout_s`` fails the start),
+    and the same under SLURM (``scripts/slurm/tplib-run.sbatch``: one
     torchrun per node)."""
     per_node = run.ranks_per_node or GPUS_PER_NODE
     nodes = -(-run.world_size // per_node)
     module = f"-m tplib.runtime.torchrun --config {shlex.quote(config)} --out {shlex.quote(out)}"
+    # torchrun waits 600 s for a node that never starts; the run's own timeout is the
+    # bound its users set for every other wait.
     torchrun = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-        f"--rdzv-endpoint $HEAD_NODE:29500 {module}"
+        f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-conf join_timeout={math.ceil(run.timeout_s)} "
+        f"{module}"
     )
     slurm = (
         f"GPUS_PER_NODE={per_node} sbatch --nodes={nodes} --gpus-per-node={per_node} "
