@@ -290,9 +290,10 @@ class LocalPool:
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until every process has started and joined the process group: from then
         on the pool's processes only wait for work (they use no CPU)."""
-        deadline = time.monotonic() + (timeout_s or 120.0 + self.timeout_s)
+        wait_s = timeout_s or 120.0 + self.timeout_s
+        deadline = time.monotonic() + wait_s
         while len(self._ready) < self.world_size:
-            status, rank, payload = self._next(deadline, "start")
+            status, rank, payload = self._next(deadline, f"start within {wait_s:.0f} s")
             if status != "ready":
                 raise self._fail(f"rank {rank} failed to start:\n{payload}")
             self._ready.add(rank)
@@ -311,9 +312,7 @@ class LocalPool:
                     doing = "".join(
                         f"\n  {self._who(r)} was {self._doing(r)}" for r in range(self.world_size)
                     )
-                    raise self._fail(
-                        f"the pool's processes did not {what} in time:{doing}"
-                    ) from None
+                    raise self._fail(f"the pool's processes did not {what}:{doing}") from None
 
     def _failed(self, rank: int, payload: str) -> WorkerError:
         """The error for a worker that reported one: its own, unless a worker died (whose
