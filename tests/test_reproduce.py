@@ -239,6 +239,10 @@ def test_a_run_killed_mid_notebook_redoes_only_that_notebook(tmp_path: Path) -> 
     ):
         assert _complete(second / name), name
     assert [p for p in results.rglob(".*")] == [manifest]  # the temporary files removed
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in results.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # as any new file, not 0600
 
 
 # ---- resuming, with notebooks replaced by a stand-in ---------------------------------------

@@ -3,14 +3,16 @@
 Every file tplib writes (CSV tables, figures, profiles, run manifests, results of a
 torchrun job) goes through :func:`atomic_write`: the content is written to a temporary
 file in the destination's folder and renamed into place only when complete, so an
-interrupted run leaves either the old file or the new one, never a truncated one.
+interrupted run leaves either the old file or the new one, never a truncated one (a run
+killed mid-write leaves the temporary file, named ``.<stem>-<random><suffix>``, behind).
+Files are created as any new file is, with the permissions the umask allows.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +30,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary name keeps the suffix: writers such as savefig pick the format by it.
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = _new_temporary(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -41,6 +40,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _new_temporary(path: Path) -> Path:
+    """A new empty file beside ``path``, hidden, with its suffix (writers such as savefig
+    pick the format by it). Not ``tempfile.mkstemp``: its files are readable by their
+    owner alone (0600), and so every result would be."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.stem}-{secrets.token_hex(4)}{path.suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
