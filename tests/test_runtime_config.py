@@ -3,11 +3,17 @@ rule; configs round-trip through JSON for torchrun jobs."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tplib.plan import Plan
 from tplib.runtime import (
@@ -139,3 +145,263 @@ def test_a_run_config_is_checked_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ---- bad input, generated -------------------------------------------------------------
+# Derandomized: the same inputs on every run. Each example makes one RunConfig (about a
+# millisecond on the tiny model), never a process.
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300)
+
+NOT_NUMBERS: st.SearchStrategy[object] = st.one_of(
+    st.none(), st.text(max_size=3), st.lists(st.integers(), max_size=2), st.just({})
+)
+NOT_INTEGERS = st.one_of(NOT_NUMBERS, st.booleans(), st.floats(allow_nan=True, allow_infinity=True))
+NOT_NAMES = st.one_of(
+    st.none(), st.integers(), st.text(max_size=8), st.lists(st.text(max_size=3), max_size=2)
+)
+
+# Each field with values that break its rule (type or range), on the default config.
+BAD_VALUES: dict[str, st.SearchStrategy[object]] = {
+    **dict.fromkeys(
+        ["n_stages", "n_data", "n_op", "batch", "seq_len", "steps"],
+        st.one_of(NOT_INTEGERS, st.integers(max_value=0)),
+    ),
+    **dict.fromkeys(
+        ["warmup", "threads", "ranks_per_node", "lr_warmup_steps"],
+        st.one_of(NOT_INTEGERS, st.integers(max_value=-1)),
+    ),
+    **dict.fromkeys(
+        ["seed", "data_seed"],
+        st.one_of(NOT_INTEGERS, st.integers(max_value=-1), st.integers(min_value=2**63)),
+    ),
+    **{
+        name: st.one_of(NOT_NUMBERS, st.booleans(), st.sampled_from([math.nan, math.inf, -math.inf]), bad)
+        for name, bad in [
+            ("lr", st.floats(max_value=0)),
+            ("weight_decay", st.floats(max_value=-1e-9)),
+            ("adam_eps", st.floats(max_value=0)),
+            ("grad_clip", st.floats(max_value=-1e-9)),
+            ("min_lr_ratio", st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.001))),
+            ("timeout_s", st.floats(max_value=0)),
+        ]
+    },
+    **dict.fromkeys(
+        ["model", "schedule", "weight_decay_params", "lr_schedule", "data", "device", "precision", "recompute"],
+        NOT_NAMES.filter(lambda v: v not in ("tiny", "terapipe", "gpipe", "1f1b", "matrices", "all",
+                                              "cosine", "constant", "synthetic", "stdlib", "cpu",
+                                              "fp32", "bf16", "none", "full", "TINY", "Tiny")),
+    ),
+    "betas": st.one_of(
+        NOT_NUMBERS,
+        st.tuples(st.floats(0, 0.99)),
+        st.tuples(st.floats(0, 0.99), st.floats(0, 0.99), st.floats(0, 0.99)),
+        st.tuples(st.floats(min_value=1), st.floats(0, 0.99)),
+        st.tuples(st.floats(0, 0.99), st.floats(max_value=-1e-9)),
+        st.tuples(st.text(max_size=2), st.floats(0, 0.99)),
+    ),
+    "vertical_sync": st.one_of(NOT_NUMBERS, st.integers(), st.floats()),
+    "stage_ranges": st.one_of(
+        st.integers(),
+        st.text(max_size=3),
+        st.just(((0, 4, 5),)),
+        st.tuples(st.tuples(st.floats(0, 4), st.floats(0, 4))),
+        st.tuples(st.tuples(st.text(max_size=1), st.integers(0, 4))),
+        st.tuples(st.tuples(st.integers(-3, 8), st.integers(-3, 8))).filter(lambda r: r != ((0, 4),)),
+        st.just(()),
+    ),
+    "slicing": st.one_of(
+        st.none(), st.booleans(), st.floats(), st.text(max_size=6), st.integers(max_value=0),
+        st.integers(min_value=65), st.lists(st.integers(), max_size=2),
+    ),
+    "lr_decay_steps": st.one_of(st.text(max_size=2), st.floats(), st.booleans(), st.integers(max_value=1)),
+    "model_overrides": st.one_of(
+        st.integers(),
+        st.text(min_size=1, max_size=3),
+        st.just((("nope", 1),)),
+        st.tuples(st.tuples(st.sampled_from(["n_layer", "hidden", "n_head", "seq_len", "vocab_size"]), NOT_INTEGERS)),
+        st.tuples(st.tuples(st.sampled_from(["dropout", "layer_norm_eps", "init_std"]), NOT_NUMBERS)),
+        st.tuples(st.tuples(st.just("tie_embeddings"), st.one_of(st.integers(), st.text(max_size=2)))),
+    ),
+}  # fmt: skip
+
+
+@st.composite
+def one_bad_field(draw: st.DrawFn) -> tuple[str, object]:
+    name = draw(st.sampled_from(sorted(BAD_VALUES)))
+    return name, draw(BAD_VALUES[name])
+
+
+@FUZZ
+@given(one_bad_field())
+def test_a_bad_field_is_named_when_the_config_is_made(case: tuple[str, object]) -> None:
+    name, value = case
+    with pytest.raises(ValueError) as info:
+        RunConfig(**{name: value})  # type: ignore[arg-type]
+    message = str(info.value)
+    # The message names the field (or, for model overrides, GPTConfig's field) and the value.
+    assert name in message or name.replace("_", " ") in message or "GPTConfig" in message, message
+    shown = [repr(value), str(value)]
+    if isinstance(value, tuple):
+        shown.append(repr(list(value)))  # how the stage-range checks print them
+    assert any(s in message for s in shown) or "GPTConfig" in message, message
+
+
+TINY_LAYERS, TINY_HEADS, TINY_CONTEXT = 4, 4, 64  # tplib.config's "tiny", written out
+
+
+@FUZZ
+@given(
+    n_stages=st.integers(1, 6),
+    n_data=st.integers(1, 4),
+    n_op=st.integers(1, 8),
+    batch=st.integers(1, 12),
+    seq_len=st.integers(1, 80),
+    slicing=st.integers(1, 80),
+    ranks_per_node=st.sampled_from([0, 1, 2, 4, 8]),
+    schedule=st.sampled_from(["gpipe", "terapipe", "1f1b", "terapipe-zb"]),
+)
+def test_layouts_are_accepted_exactly_when_they_are_consistent(
+    n_stages: int,
+    n_data: int,
+    n_op: int,
+    batch: int,
+    seq_len: int,
+    slicing: int,
+    ranks_per_node: int,
+    schedule: str,
+) -> None:
+    # The rules, written from the README: which one a layout breaks first.
+    broken = [
+        (bool(TINY_HEADS % n_op), f"n_op={n_op} must divide tiny's 4 attention heads"),
+        (bool(ranks_per_node % n_op), f"n_op={n_op} with ranks_per_node={ranks_per_node}"),
+        (bool(batch % n_data), f"batch={batch} is not divisible by n_data={n_data}"),
+        (seq_len > TINY_CONTEXT, f"seq_len={seq_len} exceeds the model's context of 64"),
+        (slicing > seq_len, f"slicing={slicing} token slices per sequence is outside"),
+        (n_stages > TINY_LAYERS, f"n_stages={n_stages} must be between 1 and the model's 4"),
+    ]
+    fields = {
+        "n_stages": n_stages, "n_data": n_data, "n_op": n_op, "batch": batch,
+        "seq_len": seq_len, "slicing": slicing, "ranks_per_node": ranks_per_node,
+        "schedule": schedule,
+    }  # fmt: skip
+    if schedule == "gpipe" and slicing > 1 and not any(b for b, _ in broken):
+        slicing = fields["slicing"] = 1  # gpipe's units are whole sequences
+    errors = [message for b, message in broken if b]
+    if errors:
+        with pytest.raises(ValueError, match=re.escape(errors[0])):
+            RunConfig(**fields)  # type: ignore[arg-type]
+        return
+    run = RunConfig(**fields)  # type: ignore[arg-type]
+    assert run.world_size == n_data * n_stages * n_op
+    assert run.plan.batch == batch // n_data and run.plan.seq_len == seq_len
+    assert run.plan.n_units == (batch // n_data) * slicing
+    assert run.ranges[0][0] == 0 and run.ranges[-1][1] == TINY_LAYERS
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"batch": 2**20, "seq_len": 64, "slicing": 64, "n_stages": 4}, r"4 make 268435456 \(unit, stage\) pairs, more than the 262144"),
+        ({"schedule": "2bw", "grad_clip": 0, "n_stages": 4, "steps": 70_000}, r"x 70000 iterations make 280000 \(unit, stage\) pairs"),
+        ({"slicing": Plan.gpipe(1, 64), "batch": 1, "timeout_s": math.inf}, r"RunConfig.timeout_s=inf must be positive seconds, finite"),
+        ({"betas": (0.9, 1.0)}, r"RunConfig.betas=\(0.9, 1.0\) must be AdamW's two betas, each in \[0, 1\)"),
+        ({"adam_eps": 0.0}, r"RunConfig.adam_eps=0.0 must be a finite AdamW eps > 0"),
+        ({"weight_decay": -0.1}, r"RunConfig.weight_decay=-0.1 must be a finite weight decay >= 0"),
+        ({"seed": 2**64}, r"RunConfig.seed=18446744073709551616 must be an integer in \[0, 9223372036854775807\]"),
+        ({"warmup": "2"}, r"RunConfig.warmup='2' must be an integer >= 0"),
+        ({"stage_ranges": ((0.0, 4.0),)}, r"RunConfig.stage_ranges=\(\(0.0, 4.0\),\) must be \(lo, hi\) integer pairs"),
+        ({"stage_ranges": ()}, r"stage ranges \[\] give 0 stages for n_stages=1"),
+        ({"vertical_sync": "yes"}, r"RunConfig.vertical_sync='yes' must be True or False"),
+        ({"model": None}, r"unknown model None: known models are"),
+        ({"schedule": ["gpipe"]}, r"unknown schedule \['gpipe'\]"),
+        ({"model_overrides": (("n_layers", 2),)}, r"model overrides name unknown fields \['n_layers'\]: GPTConfig's fields are"),
+        ({"model_overrides": (("init_std", "0.02"),)}, r"GPTConfig.init_std='0.02': must be a finite number > 0"),
+        ({"model_overrides": 5}, r"model overrides 5 are not \(field, value\) pairs"),
+    ],
+)  # fmt: skip
+def test_bad_values_are_named_with_their_rule(fields: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**fields)  # type: ignore[arg-type]
+
+
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 100), st.floats(), st.text(max_size=6)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+FIELD_NAMES = [f.name for f in dataclasses.fields(RunConfig) if f.init]
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.dictionaries(st.sampled_from(FIELD_NAMES), JSON_VALUES, max_size=4),
+        st.dictionaries(st.sampled_from([*FIELD_NAMES, "stagez", "n_layer", ""]), JSON_VALUES, max_size=3),
+        JSON_VALUES,
+    )
+)  # fmt: skip
+def test_run_config_dicts_make_a_config_or_a_value_error(data: object) -> None:
+    try:
+        run = run_config_from_dict(data)  # type: ignore[arg-type]
+    except ValueError as exc:
+        assert str(exc)
+        return
+    # Accepted: it is a config that survives its own JSON.
+    assert run_config_from_dict(json.loads(json.dumps(run_config_to_dict(run)))) == run
+
+
+@pytest.fixture(scope="module")
+def json_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("run_json")
+
+
+VALID_JSON = json.dumps(
+    run_config_to_dict(
+        RunConfig(n_stages=2, batch=2, seq_len=16, slicing=Plan((1, 1), ((5, 11), (16,))))
+    )
+)
+
+
+@FUZZ
+@given(st.data())
+def test_run_config_files_load_or_fail_with_a_value_error(
+    json_dir: Path, data: st.DataObject
+) -> None:
+    text = VALID_JSON
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(text)))
+        junk = data.draw(
+            st.one_of(
+                st.sampled_from([*'{}[]",:0-.', "null", "NaN", "\\u00ff"]),
+                st.text(max_size=2),
+            )
+        )
+        text = text[:i] + junk + text[i + data.draw(st.integers(0, 3)) :]
+    path = json_dir / "run.json"
+    path.write_text(text)
+    try:
+        load_run_config(path)
+    except ValueError as exc:
+        assert str(exc)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", r"run config .*run.json is not JSON: Expecting value"),
+        ("{", r"run config .*run.json is not JSON"),
+        ("[]", r"a run config is a JSON object of RunConfig fields, not \[\]"),
+        ('{"stage_ranges": [[0]]}', r"RunConfig.stage_ranges=\(\(0,\),\) must be \(lo, hi\) integer pairs"),
+        ('{"model_overrides": [1, 2]}', r"model_overrides=\[1, 2\] must map GPTConfig fields to values"),
+        ('{"n_stages": NaN}', r"RunConfig.n_stages=nan must be a positive integer"),
+        ('{"slicing": "[(1, [64])] * -1"}', r"repeats a list -1 times"),
+    ],
+)  # fmt: skip
+def test_bad_run_config_files_are_named(json_dir: Path, text: str, match: str) -> None:
+    path = json_dir / "run.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_run_config(path)

@@ -4,14 +4,18 @@ A :class:`GPTConfig` is a frozen dataclass; named configs live in :data:`MODELS`
 looked up with :func:`get_config`. :func:`n_params` counts parameters from the config
 alone, so the 175B model can be sized without allocating anything.
 
-The rules of the options a run adds to a model (#Op, recomputation, precision) are
-checked here too, without torch, so a run's configuration is checked before torch loads.
+The rules of the options a run adds to a model (#Op, recomputation, precision) and of a
+run's numbers (their types and ranges) are checked here too, without torch, so a run's
+configuration is checked before torch loads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 __all__ = [
     "GELUS",
@@ -22,6 +26,7 @@ __all__ = [
     "check_op",
     "check_precision",
     "check_recompute",
+    "check_run_numbers",
     "get_config",
     "n_params",
     "n_params_per_layer",
@@ -31,6 +36,18 @@ __all__ = [
 
 GPT2_VOCAB = 50257
 GELUS = ("tanh", "erf")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_pair(p: object) -> bool:
+    return isinstance(p, tuple | list) and len(p) == 2 and all(_integer(x) for x in p)
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -56,14 +73,22 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.dropout < 1.0:
+        if not isinstance(self.name, str):
+            raise ValueError(f"GPTConfig.name={self.name!r}: must be a string")
+        if not (_finite(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be in [0, 1)")
         if self.gelu not in GELUS:
             raise ValueError(f"GPTConfig.gelu={self.gelu!r}: choose one of {GELUS}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: must be a bool")
         for field in ("n_layer", "hidden", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{field}={value!r}: must be a positive integer")
+        for field in ("layer_norm_eps", "init_std"):
+            value = getattr(self, field)
+            if not (_finite(value) and value > 0):
+                raise ValueError(f"GPTConfig.{field}={value!r}: must be a finite number > 0")
         if self.hidden % self.n_head:
             raise ValueError(
                 f"GPTConfig.hidden={self.hidden} is not divisible by n_head={self.n_head}: "
@@ -107,11 +132,21 @@ def get_config(name: str, overrides: Iterable[tuple[str, object]] = ()) -> GPTCo
     """Look a named config up, ignoring case, with some fields changed by ``overrides``
     ((field, value) pairs, e.g. a smaller ``hidden`` for a CPU-scale table)."""
     by_lower = {k.lower(): v for k, v in MODELS.items()}
+    cfg = by_lower.get(name.lower()) if isinstance(name, str) else None
+    if cfg is None:
+        raise ValueError(f"unknown model {name!r}: known models are {sorted(MODELS)}")
     try:
-        cfg = by_lower[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}: known models are {sorted(MODELS)}") from None
-    changes = dict(overrides)
+        changes = dict(overrides)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"model overrides {overrides!r} are not (field, value) pairs, e.g. (('hidden', 64),)"
+        ) from None
+    known = {f.name for f in fields(GPTConfig)} - {"name"}
+    unknown = [k for k in changes if k not in known]
+    if unknown:
+        raise ValueError(
+            f"model overrides name unknown fields {unknown}: GPTConfig's fields are {sorted(known)}"
+        )
     return cfg.with_(**changes) if changes else cfg
 
 
@@ -189,4 +224,50 @@ def check_precision(precision: str, device: str | None = None) -> None:
         raise ValueError(
             f"precision 'fp16' needs device='cuda', got device={device!r}: fp16 weights are "
             "for GPUs without bf16 (V100); use bf16 on CPU"
+        )
+
+
+# ---- the numbers of a run --------------------------------------------------------------
+
+# Each number's type and range, checked before anything uses it, so that a wrong type is
+# named rather than failing in a comparison further on. Integers: (least, most)...
+RUN_INTEGERS = {
+    **dict.fromkeys(("n_stages", "n_data", "n_op", "batch", "seq_len", "steps"), (1, None)),
+    **dict.fromkeys(("warmup", "threads", "ranks_per_node", "lr_warmup_steps"), (0, None)),
+    **dict.fromkeys(("seed", "data_seed"), (0, 2**63 - 1)),  # what torch's generators take
+}
+# ...and finite reals: what must hold of one, and the rule a message says.
+RUN_REALS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (lambda x: x > 0, "be a finite positive learning rate"),
+    "weight_decay": (lambda x: x >= 0, "be a finite weight decay >= 0"),
+    "adam_eps": (lambda x: x > 0, "be a finite AdamW eps > 0"),
+    "grad_clip": (lambda x: x >= 0, "be a finite norm >= 0 (0: no clipping)"),
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "lie in [0, 1]: the cosine's floor, a share of lr"),
+    "timeout_s": (lambda x: x > 0, "be positive seconds, finite"),
+}
+
+
+def check_run_numbers(run: Any) -> None:
+    """Raise ``ValueError`` naming the first number of ``run`` (a
+    :class:`~tplib.runtime.RunConfig`) of the wrong type or out of its range."""
+    for name, (least, most) in RUN_INTEGERS.items():
+        n = getattr(run, name)
+        if not _integer(n) or n < least or (most and n > most):
+            rule = f"an integer in [{least}, {most}]" if most else f"an integer >= {least}"
+            rule = "a positive integer" if least == 1 else rule
+            raise ValueError(f"RunConfig.{name}={n!r} must be {rule}")
+    for name, (holds, rule) in RUN_REALS.items():
+        if not _finite(x := getattr(run, name)) or not holds(x):
+            raise ValueError(f"RunConfig.{name}={x!r} must {rule}")
+    b = run.betas
+    if not (
+        isinstance(b, tuple | list) and len(b) == 2 and all(_finite(x) and 0 <= x < 1 for x in b)
+    ):
+        raise ValueError(f"RunConfig.betas={b!r} must be AdamW's two betas, each in [0, 1)")
+    if not isinstance(run.vertical_sync, bool):
+        raise ValueError(f"RunConfig.vertical_sync={run.vertical_sync!r} must be True or False")
+    r = run.stage_ranges
+    if r is not None and not (isinstance(r, tuple | list) and all(map(_int_pair, r))):
+        raise ValueError(
+            f"RunConfig.stage_ranges={r!r} must be (lo, hi) integer pairs, one per stage"
         )
