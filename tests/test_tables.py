@@ -5,7 +5,10 @@ names, modes and parameters fail before anything runs."""
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import matplotlib
 
@@ -14,10 +17,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tplib.paper import TABLE2, TABLE3, TABLE4, PaperResult, setting
 from tplib.plan import Plan
-from tplib.tables import TIMING_COLUMNS, get_table, run_table
+from tplib.tables import TABLE_NAMES, TIMING_COLUMNS, Table, TableResult, get_table, run_table
 from tplib.tables.base import is_timing
 from tplib.tables.settings import (
     compare_joint_methods,
@@ -183,3 +188,135 @@ def test_every_table_names_its_paper_figure() -> None:
     assert list(get_table("simulator_validation").modes) == ["measure"]
     assert get_table("simulator_validation").paper == "the method behind measure mode"
     assert list(get_table("pipeline_systems").modes) == ["simulate", "measure"]
+
+
+# ---- bad parameters, generated --------------------------------------------------------
+# run_table is called for real; only the step after every check, the builder, is replaced
+# by a sentinel, so an input that gets through would show as Started, never as work.
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300)
+
+
+class Started(Exception):
+    """run_table accepted its input: the builder would run now."""
+
+
+def _run_checked_only(table: Table, mode: str, params: Mapping[str, Any]) -> TableResult:
+    table.check(mode, params)
+    raise Started(table.name, mode, dict(params))
+
+
+def _run_table_without_work(name: object, mode: object, params: Mapping[str, Any]) -> None:
+    with mock.patch("tplib.tables.run", _run_checked_only):
+        run_table(name, mode, **params)  # type: ignore[arg-type]
+
+
+# What each parameter is, read from the tables' documentation (not from their code):
+# lists of numbers, numbers, names and switches.
+KINDS = {
+    ("main_results", "simulate"): {"settings": "ints", "eps": "float"},
+    ("dp_ablation", "simulate"): {"settings": "ints", "eps": "float"},
+    ("seqlen_sweep", "simulate"): {"seq_lens": "ints", "eps": "float"},
+    ("layout_search", "simulate"): {"settings": "ints", "eps": "float"},
+    ("pipeline_systems", "simulate"): {"settings": "ints", "systems": "names", "window": "int"},
+    ("main_results", "measure"): {"batches": "ints", "seq_len": "int", "n_stages": "int", "iters": "int", "model": "name", "progress": "bool", "eps": "float"},
+    ("dp_ablation", "measure"): {"slices": "ints", "seq_len": "int", "warmup": "int", "plan": "name", "precision": "name"},
+    ("seqlen_sweep", "measure"): {"seq_lens": "ints", "batches": "ints", "n_grid": "int"},
+    ("simulator_validation", "measure"): {"schedules": "names", "n_slices": "int", "pipeline_batch": "int"},
+    ("pipeline_systems", "measure"): {"systems": "names", "batch": "int", "efficiency_steps": "int"},
+}  # fmt: skip
+WRONG: dict[str, list[object]] = {
+    "ints": [5, "abc", None, [1.5], [None], ["9"], [True], {}, [], {"9": 1}],
+    "names": ["GPipe", 3, None, [3], [None], [], {}],
+    "float": ["x", None, [], True, {}, [0.1]],
+    "int": [2.5, "2", None, True, [], 1e3],
+    "name": [3, None, [], ["small"], {}],
+    "bool": [1, "yes", None, 0.0],
+}
+
+
+@FUZZ
+@given(st.sampled_from(sorted(KINDS)), st.data())
+def test_a_wrongly_typed_parameter_is_named_before_the_table_runs(
+    table_mode: tuple[str, str], data: st.DataObject
+) -> None:
+    name, mode = table_mode
+    param, kind = data.draw(st.sampled_from(sorted(KINDS[table_mode].items())))
+    value = data.draw(st.sampled_from(WRONG[kind]))
+    with pytest.raises(ValueError) as info:
+        _run_table_without_work(name, mode, {param: value})
+    message = str(info.value)
+    assert f"{param}={value!r}" in message and repr(name) in message, message
+    assert "is not of type" in message or "is empty: a table needs at least one" in message
+
+
+IDENTIFIERS = st.from_regex(r"[a-z_]{1,12}", fullmatch=True)
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.floats(), st.text(max_size=5)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=2)
+    ),
+    max_leaves=5,
+)
+
+
+@FUZZ
+@given(
+    st.one_of(st.sampled_from(TABLE_NAMES), st.text(max_size=12), st.none(), st.integers()),
+    st.one_of(st.sampled_from(["simulate", "measure"]), st.text(max_size=8), st.none(), st.lists(st.text(max_size=2), max_size=1)),
+    st.dictionaries(
+        st.one_of(IDENTIFIERS, st.sampled_from(["settings", "eps", "seq_lens", "batches", "systems", "window", "slices", "method"])),
+        JSON_VALUES,
+        max_size=3,
+    ),
+)  # fmt: skip
+def test_random_requests_are_refused_or_reach_the_builder_checked(
+    name: object, mode: object, params: dict[str, object]
+) -> None:
+    try:
+        _run_table_without_work(name, mode, params)
+    except ValueError as exc:
+        message = str(exc)
+        said = [repr(name), repr(mode), *(f"{k}=" for k in params), *params]
+        assert any(s in message for s in said), message
+    except Started:
+        # Accepted: a known table, a mode it runs in, and only parameters it takes.
+        assert name in TABLE_NAMES and mode in get_table(str(name)).modes
+        assert set(params) <= set(get_table(str(name)).modes[mode].parameters)  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "params", "match"),
+    [
+        ("main_results", "simulate", {"settings": 5}, r"table 'main_results' in simulate mode: settings=5 is not of type Iterable\[int\] \(the default is range\(1, 11\)\)"),
+        ("main_results", "simulate", {"settings": []}, r"settings=\[\] is empty: a table needs at least one, as in the default range\(1, 11\)"),
+        ("main_results", "simulate", {"settings": [9.0]}, r"settings=\[9.0\] is not of type Iterable\[int\]"),
+        ("main_results", "simulate", {"eps": "x"}, r"eps='x' is not of type float \(the default is 0.0001\)"),
+        ("main_results", "simulate", {"method": "dp"}, r"method='dp' is not one of 'exact', 'paper'"),
+        ("main_results", "simulate", {"calibration": 3}, r"calibration=3 is not of type Calibration"),
+        ("pipeline_systems", "simulate", {"systems": []}, r"systems=\[\] is empty"),
+        ("pipeline_systems", "simulate", {"window": 2.5}, r"window=2.5 is not of type int"),
+        ("main_results", "measure", {"link": "fast"}, r"link='fast' is not of type Sequence\[float\] \| None"),
+        ("main_results", "measure", {"model_overrides": [["hidden", 64, 2]]}, r"model_overrides=\[\['hidden', 64, 2\]\] is not of type Mapping\[str, object\] \| Sequence\[tuple\[str, object\]\]"),
+        ("main_results", ["simulate"], {}, r"mode=\['simulate'\]: table 'main_results' runs in mode simulate or measure"),
+        (["main_results"], "simulate", {}, r"unknown table \['main_results'\]: known tables are"),
+    ],
+)  # fmt: skip
+def test_bad_parameter_values_are_named_with_the_type_they_need(
+    name: object, mode: object, params: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        _run_table_without_work(name, mode, params)
+
+
+def test_right_types_reach_the_builder() -> None:
+    """What notebooks pass (JSON's lists and objects) gets through the type check."""
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("main_results", "simulate", {"settings": [5, 9], "eps": 0, "method": "paper"}),
+        ("main_results", "measure", {"batches": (1, 2), "model_overrides": {"hidden": 64}, "link": [1e8, 1e-4], "profiling": {"granularity": 16}}),
+        ("seqlen_sweep", "measure", {"model_overrides": [["n_layer", 2]], "launch": None}),
+        ("pipeline_systems", "simulate", {"settings": range(3, 5), "systems": ["GPipe"], "window": 2}),
+    ]  # fmt: skip
+    for name, mode, params in cases:
+        with pytest.raises(Started):
+            _run_table_without_work(name, mode, params)

@@ -65,7 +65,7 @@ TABLE_NAMES = tuple(_MODULES)
 
 def get_table(name: str) -> Table:
     """The table called ``name``."""
-    if name not in _MODULES:
+    if not isinstance(name, str) or name not in _MODULES:
         raise ValueError(f"unknown table {name!r}: known tables are {list(TABLE_NAMES)}")
     table: Table = importlib.import_module(f"tplib.tables.{_MODULES[name]}").TABLE
     return table

@@ -11,9 +11,13 @@ The notebooks, ``python -m tplib table`` and ``make reproduce`` all go through h
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
+import numbers
 import os
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -95,6 +99,18 @@ class TableMode:
     def parameters(self) -> list[str]:
         return list(inspect.signature(self.build).parameters)
 
+    def problem(self, name: str, value: object) -> str | None:
+        """What is wrong with ``value`` for the builder's parameter ``name``, judged by its
+        annotation and default (None: nothing found; the builder checks the rest)."""
+        param = inspect.signature(self.build).parameters[name]
+        hint = _resolve(self.build, param.annotation)
+        if not _fits(value, hint):
+            return f"is not {_describe(hint)} (the default is {param.default!r})"
+        default = param.default
+        if _scalar_list(hint) and _empty(value) and isinstance(default, Sized) and len(default):
+            return f"is empty: a table needs at least one, as in the default {default!r}"
+        return None
+
 
 @dataclass(frozen=True)
 class Table:
@@ -106,8 +122,9 @@ class Table:
     modes: Mapping[Mode, TableMode]
 
     def check(self, mode: str, params: Mapping[str, Any]) -> Mode:
-        """Raise ``ValueError`` unless ``mode`` and ``params`` suit this table."""
-        if mode not in self.modes:
+        """Raise ``ValueError`` unless ``mode`` and ``params`` suit this table: the mode,
+        the parameters' names, and their values' types (by the builder's annotations)."""
+        if not isinstance(mode, str) or mode not in self.modes:
             raise ValueError(
                 f"mode={mode!r}: table {self.name!r} runs in mode {' or '.join(self.modes)}"
             )
@@ -126,6 +143,10 @@ class Table:
                 f"table {self.name!r} in {m} mode has no parameter {', '.join(unknown)}"
                 f"{hint}: it takes {', '.join(accepted)}"
             )
+        for name, value in params.items():
+            if problem := self.modes[m].problem(name, value):
+                shown = repr(value) if len(repr(value)) <= 200 else f"{repr(value)[:200]}..."
+                raise ValueError(f"table {self.name!r} in {m} mode: {name}={shown} {problem}")
         return m
 
 
@@ -182,3 +203,77 @@ def run(table: Table, mode: str, params: Mapping[str, Any]) -> TableResult:
     spec = table.modes[m]
     rows = spec.build(**params)
     return TableResult(table, m, dict(params), rows, spec.figure(rows), spec.findings(rows.df))
+
+
+# ---- parameter values against the builders' annotations ---------------------------------
+# Notebooks and ``--params`` pass JSON, so a wrong type (``settings: 5``, ``eps: "x"``) is
+# common; caught here, it is named before the builder runs rather than raising TypeError
+# or AttributeError inside it.
+
+_SEQUENCES = (collections.abc.Sequence, collections.abc.Iterable)
+
+
+def _resolve(build: Callable[..., Rows], annotation: object) -> object:
+    """The annotation as a type; Any for a name imported only for type checkers."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, build.__globals__)  # the module's own annotation text
+    except NameError:
+        return Any
+
+
+def _fits(value: object, hint: object) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in (Any, object, inspect.Parameter.empty):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        kind = numbers.Integral if hint is int else numbers.Real
+        return isinstance(value, kind) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in _SEQUENCES:
+        if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+            return False
+        # Only lists, tuples and ranges are looked into: an iterator would be used up.
+        return not (args and isinstance(value, list | tuple | range)) or all(
+            _fits(v, args[0]) for v in value
+        )
+    if origin is tuple:
+        if not isinstance(value, tuple | list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(_fits, value, args))
+    if origin in (collections.abc.Mapping, dict):
+        return isinstance(value, Mapping) and (
+            not args or all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+        )
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # anything else is the builder's to check
+
+
+def _describe(hint: object) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    text = hint.__name__ if isinstance(hint, type) else str(hint)
+    return "of type " + text.replace("collections.abc.", "").replace("typing.", "")
+
+
+def _scalar_list(hint: object) -> bool:
+    """A list of numbers or names, such as ``settings: Iterable[int]``."""
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) in _SEQUENCES and bool(args) and args[0] in (int, float, str)
+
+
+def _empty(value: object) -> bool:
+    return isinstance(value, Sized) and len(value) == 0
