@@ -30,6 +30,13 @@ from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save
 psutil: Any = importlib.import_module("psutil")
 
 
+def _standalone_torchrun(config: Path, out: Path) -> list[str]:
+    """The torchrun line of a 2-process run on this machine of ``config`` into ``out``."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    module = ["tplib.runtime.torchrun", "--config", str(config), "--out", str(out)]
+    return [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", *module]
+
+
 def test_world_size_not_the_layout() -> None:
     with (
         LocalPool(1) as pool,
@@ -59,21 +66,9 @@ def test_hanging_peer_times_out_naming_what_was_awaited() -> None:
 def test_torchrun_entry_point_writes_results(tmp_path: Path) -> None:
     run = RunConfig(n_stages=2, batch=2, seq_len=16, slicing=2, steps=2, timeout_s=60)
     save_run_config(run, tmp_path / "run.json")
-    torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "result.pt"
     proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "tplib.runtime.torchrun",
-            "--config",
-            str(tmp_path / "run.json"),
-            "--out",
-            str(out),
-        ],
+        _standalone_torchrun(tmp_path / "run.json", out),
         capture_output=True,
         text=True,
         timeout=180,
@@ -378,18 +373,7 @@ def test_torchrun_with_a_killed_worker_fails_and_writes_no_results(tmp_path: Pat
     save_run_config(LONG, tmp_path / "run.json")
     out = tmp_path / "result.pt"
     proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("torchrun")),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "tplib.runtime.torchrun",
-            "--config",
-            str(tmp_path / "run.json"),
-            "--out",
-            str(out),
-        ],
+        _standalone_torchrun(tmp_path / "run.json", out),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
