@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
+from unittest import mock
 
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tplib.cli import main
 from tplib.config import get_config
@@ -285,3 +291,293 @@ def test_bench_bad_layouts_exit_2(
     assert main([*BENCH, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+# ---- bad input, generated -------------------------------------------------------------
+# Each example is one valid command with one option given a value that breaks its rule.
+# Whatever would start work (timing a stage, local processes, papermill, a table's rows)
+# is replaced by a sentinel, so an input that got through shows up as Started, not as
+# minutes of work. Derandomized: the same argv lists on every run.
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120)
+MODELS = {"gpt3-1b", "gpt3-13b", "gpt3-44b", "gpt3-175b", "gpt2", "tiny", "mini", "small"}
+
+
+class Started(Exception):
+    """The command accepted its input and began its work."""
+
+
+def _start(*args: object, **kwargs: object) -> NoReturn:
+    raise Started
+
+
+def _check_then_start(table: Any, mode: str, params: Any) -> NoReturn:
+    table.check(mode, params)
+    raise Started
+
+
+WORK = ["tplib.runtime.bench", "tplib.reproduce.reproduce", "tplib.perfmodel.timer.build_profile"]
+
+
+def run_cli(argv: list[str]) -> tuple[int | str, str]:
+    """``main(argv)``'s exit code ("started" if it began work) and its stderr."""
+    err = io.StringIO()
+    with contextlib.ExitStack() as stack:
+        for target in WORK:
+            stack.enter_context(mock.patch(target, _start))
+        stack.enter_context(mock.patch("tplib.tables.run", _check_then_start))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            return main(argv), err.getvalue()
+        except Started:
+            return "started", err.getvalue()
+
+
+def _not_an_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return True
+    return False
+
+
+def _not_a_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
+NOT_INT = st.one_of(
+    st.sampled_from(["x", "1.5", "", "1e3", "0x10", "nan", "inf", "2 3", "--1"]),
+    st.text(max_size=6).filter(_not_an_int),
+)
+NOT_FLOAT = st.one_of(
+    st.sampled_from(["x", "", "1,5", "0x10", "--1", "1e"]), st.text(max_size=6).filter(_not_a_float)
+)
+NOT_FINITE = st.sampled_from(["nan", "inf", "-inf", "NaN", "1e400", "-1e999"])
+HUGE = st.integers(min_value=2**31).map(str)
+# The values that break each kind of option's rule.
+BAD: dict[str, st.SearchStrategy[str]] = {
+    "count": st.one_of(NOT_INT, HUGE, st.integers(max_value=0).map(str)),
+    "natural": st.one_of(NOT_INT, HUGE, st.integers(max_value=-1).map(str)),
+    "int": st.one_of(NOT_INT, HUGE),  # its range is the library's, tested by example
+    "setting": st.one_of(NOT_INT, HUGE, st.integers().filter(lambda n: not 1 <= n <= 10).map(str)),
+    "stages": st.one_of(NOT_INT, HUGE, st.integers(max_value=0).map(str)),
+    "positive": st.one_of(NOT_FLOAT, NOT_FINITE, st.floats(max_value=0).map(str)),
+    "nonneg": st.one_of(NOT_FLOAT, NOT_FINITE, st.floats(max_value=-1e-300).map(str)),
+    "model": st.text(max_size=10).filter(lambda t: t.lower() not in MODELS),
+    "schedule": st.text(max_size=10).filter(
+        lambda t: t not in {"gpipe", "terapipe", "1f1b", "terapipe-zb", "1f1b-zb", "pipedream", "2bw"}
+    ),
+    "dtype": st.text(max_size=6).filter(lambda t: t not in {"fp32", "bf16"}),  # fp16 needs CUDA
+    "precision": st.text(max_size=6).filter(lambda t: t not in {"fp32", "bf16", "fp16"}),
+    "device": st.text(max_size=6).filter(lambda t: t not in {"cpu", "cuda"}),
+    "recompute": st.text(max_size=6).filter(lambda t: t not in {"none", "full"}),
+    "method": st.text(max_size=6).filter(lambda t: t not in {"exact", "paper"}),
+}  # fmt: skip
+
+
+def check_bad_option(
+    base: list[str],
+    options: dict[str, str],
+    data: st.DataObject,
+    kinds: dict[str, st.SearchStrategy[str]] = BAD,
+) -> None:
+    """Give one of ``options`` (option -> kind of ``kinds``) a bad value on the valid
+    command ``base``: it must exit with 2 and an ``error:`` line naming the value, before
+    any work."""
+    option = data.draw(st.sampled_from(sorted(options)))
+    value = data.draw(kinds[options[option]])
+    argv = [a for i, a in enumerate(base) if option not in (a, base[i - 1] if i else "")]
+    code, err = run_cli([*argv, f"{option}={value}"])
+    assert code == 2, (argv, option, value, code, err)
+    assert "error: " in err and "Traceback" not in err, err
+    assert value in err or repr(value) in err or repr(value)[1:-1] in err, (value, err)
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "analytic.json"
+    build_profile(
+        _analytic,
+        config=get_config("tiny"),
+        layers_per_stage=1,
+        seq_len=64,
+        batch_slice_sizes=(1, 2),
+    ).save(path)
+    return path
+
+
+PROFILE = ["profile", "--model", "tiny", "--seq-len", "64", "--quiet", "--out", "unused.json"]
+PROFILE_OPTIONS = {
+    "--model": "model", "--layers": "count", "--seq-len": "count", "--batch": "count",
+    "--granularity": "count", "--repeats": "count", "--rounds": "count", "--threads": "count",
+    "--link-bandwidth": "positive", "--link-latency": "nonneg",
+}  # fmt: skip
+
+
+@FUZZ
+@given(st.data())
+def test_profile_refuses_bad_options_before_timing(data: st.DataObject) -> None:
+    check_bad_option(PROFILE, PROFILE_OPTIONS, data)
+
+
+@FUZZ
+@given(st.data())
+def test_plan_refuses_bad_options(profile_file: Path, data: st.DataObject) -> None:
+    if data.draw(st.booleans()):
+        base = [
+            "plan",
+            "--profile",
+            str(profile_file),
+            "--seq-len",
+            "64",
+            "--batch",
+            "4",
+            "--stages",
+            "2",
+        ]
+        options = {
+            "--seq-len": "count",
+            "--batch": "count",
+            "--stages": "stages",
+            "--eps": "nonneg",
+            "--granularity": "count",
+            "--max-batch-slice-size": "count",
+            "--method": "method",
+        }
+    else:
+        base = ["plan", "--setting", "9"]
+        options = {
+            "--setting": "setting",
+            "--eps": "nonneg",
+            "--seq-len": "count",
+            "--method": "method",
+        }
+    check_bad_option(base, options, data)  # fmt: skip
+
+
+@FUZZ
+@given(st.data())
+def test_simulate_refuses_bad_options(data: st.DataObject) -> None:
+    options = {
+        "--setting": "setting",
+        "--eps": "nonneg",
+        "--seq-len": "count",
+        "--method": "method",
+    }
+    check_bad_option(["simulate", "--setting", "9"], options, data)
+
+
+BENCH_OPTIONS = {
+    "--schedule": "schedule", "--stages": "stages", "--batch": "count", "--seq-len": "count",
+    "--slices": "count", "--model": "model", "--data": "count", "--op": "stages",
+    "--recompute": "recompute", "--dtype": "dtype", "--device": "device", "--iters": "count",
+    "--warmup": "natural", "--timeout": "positive", "--threads": "natural",
+}  # fmt: skip
+
+
+@FUZZ
+@given(st.data())
+def test_bench_refuses_bad_options_before_starting_processes(data: st.DataObject) -> None:
+    check_bad_option(BENCH, BENCH_OPTIONS, data)
+
+
+@FUZZ
+@given(st.data())
+def test_run_refuses_bad_options_before_writing(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    out = tmp_path_factory.getbasetemp() / "never.json"
+    options = {
+        "--setting": "setting",
+        "--seq-len": "count",
+        "--dtype": "precision",
+        "--recompute": "recompute",
+        "--steps": "count",
+        "--warmup": "natural",
+    }
+    check_bad_option(["run", "--setting", "9", "--out", str(out)], options, data)
+    assert not out.exists()  # fmt: skip
+
+
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.floats(), st.text(max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+PARAM_NAMES = st.sampled_from(["settings", "seq_lens", "eps", "method", "batches", "window", "simulate", "measure", "x"])  # fmt: skip
+
+
+@FUZZ
+@given(
+    st.sampled_from(["table main_results", "table seqlen_sweep", "table pipeline_systems", "reproduce"]),
+    st.one_of(
+        st.text(max_size=12),
+        JSON.map(json.dumps),
+        st.dictionaries(PARAM_NAMES, JSON, max_size=2).map(json.dumps),
+        st.dictionaries(st.sampled_from(["main_results", "seqlen_sweep", "simulate"]),
+                        st.dictionaries(PARAM_NAMES, JSON, max_size=2), max_size=2).map(json.dumps),
+    ),
+)  # fmt: skip
+def test_params_json_is_refused_or_checked_before_the_tables_run(command: str, text: str) -> None:
+    code, err = run_cli([*command.split(), f"--params={text}"])
+    assert code in (2, "started"), (text, code, err)
+    if code == 2:
+        assert "error: " in err and "Traceback" not in err, err
+
+
+@FUZZ
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=8),
+            st.sampled_from(["--json", "--out", "-x", "plan", "--setting", "--eps", "9", "table"]),
+        ),
+        max_size=5,
+    )
+)
+def test_random_argv_never_raises(argv: list[str]) -> None:
+    code, err = run_cli(argv)
+    assert code in (0, 2, "started"), (argv, code, err)
+    if code == 2:
+        assert "error: " in err and "Traceback" not in err, err  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--setting", "9", "--eps=nan"], "argument --eps: nan is not a finite number"),
+        (["plan", "--setting", "9", "--eps=-1"], "argument --eps: -1 is not >= 0"),
+        (["plan", "--setting", "9", "--granularity", "16"], "--granularity applies only to --profile"),
+        (["plan", "--setting", "9", "--batch", "2", "--stages", "4"], "--batch, --stages apply only to --profile"),
+        (["simulate", "--setting", "9", "--seq-len", "0"], "argument --seq-len: 0 is not a positive integer"),
+        (["profile", "--model", "tiny", "--layers", "99999999999", "--out", "p.json"], "argument --layers: 99999999999 is beyond 2147483647"),
+        (["profile", "--model", "tiny", "--layers", "5", "--out", "p.json"], "--layers 5 is more than tiny's 4 layers"),
+        (["profile", "--model", "tiny", "--threads", "-1", "--out", "p.json"], "argument --threads: -1 is not a positive integer"),
+        (["profile", "--model", "tiny", "--link-bandwidth", "0", "--out", "p.json"], "argument --link-bandwidth: 0 is not > 0"),
+        ([*BENCH, "--timeout", "inf"], "argument --timeout: inf is not a finite number"),
+        ([*BENCH, "--batch", "two"], "argument --batch: 'two' is not an integer"),
+        (["reproduce", "--params", '{"main_results": 3}'], "--params 'main_results': 3 is not a JSON object"),
+        (["reproduce", "--params", '{"main_results": {"simulate": [9]}}'], "is not a JSON object of the table's parameters"),
+        (["reproduce", "--params", '{"main_results": {"settings": 9}}'], "settings=9 is not of type Iterable[int]"),
+        (["table", "main_results", "--params", '{"settings": []}'], "settings=[] is empty"),
+    ],
+)  # fmt: skip
+def test_bad_options_name_the_value_and_the_rule(argv: list[str], message: str) -> None:
+    code, err = run_cli(argv)
+    assert code == 2 and message in err, err
+
+
+def test_python_m_tplib_exits_2_with_an_error_line() -> None:
+    argv = [sys.executable, "-m", "tplib", "simulate", "--setting", "9", "--eps", "nan"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1] == (
+        "tplib simulate: error: argument --eps: nan is not a finite number"
+    )

@@ -7,7 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.test_cli import BAD, check_bad_option, run_cli
 from tplib.cli import main
 from tplib.config import get_config
 from tplib.paper import SETTINGS
@@ -130,3 +133,64 @@ def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFi
     assert "exactly one of --model" in capsys.readouterr().err
     assert main(["partition", "--planner", "gpipe", "--profiles", "missing.json"]) == 2
     assert "cannot read profile missing.json" in capsys.readouterr().err
+
+
+# ---- bad input, generated (the harness is test_cli's) ---------------------------------
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120)
+KINDS = {
+    **BAD,
+    "cluster": st.text(max_size=12).filter(lambda t: t != "p3.16xlarge"),
+    "planner": st.text(max_size=10).filter(lambda t: t not in {"gpipe", "pipedream", "2bw"}),
+    "recompute": st.text(max_size=6).filter(lambda t: t not in {"both", "none", "full"}),
+}
+AUTOPLAN = ["autoplan", "--model", "GPT3-1B", "--gpus", "8", "--batch", "8"]
+AUTOPLAN_OPTIONS = {
+    "--model": "model", "--gpus": "count", "--batch": "count", "--seq-len": "count",
+    "--cluster": "cluster", "--memory": "positive", "--recompute": "recompute", "--top": "count",
+    "--steps": "count", "--warmup": "natural",
+}  # fmt: skip
+
+
+@FUZZ
+@given(st.data())
+def test_autoplan_refuses_bad_options_before_searching(data: st.DataObject) -> None:
+    check_bad_option(AUTOPLAN, AUTOPLAN_OPTIONS, data, KINDS)
+
+
+@FUZZ
+@given(st.data())
+def test_partition_refuses_bad_options(data: st.DataObject) -> None:
+    planner = data.draw(st.sampled_from(["gpipe", "pipedream", "2bw"]))
+    base = ["partition", "--planner", planner, "--model", "GPT3-1B", "--seq-len", "512"]
+    options = {
+        "--planner": "planner",
+        "--model": "model",
+        "--gpus": "count",
+        "--microbatch": "count",
+        "--seq-len": "count",
+        "--top": "count",
+        "--memory": "positive",
+    }
+    if planner == "gpipe":
+        base, options = [*base, "--stages", "2"], {**options, "--stages": "stages"}
+    if planner == "2bw":
+        base, options = [*base, "--batch", "8"], {**options, "--batch": "count"}
+    check_bad_option(base, options, data, KINDS)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*AUTOPLAN, "--seq-len", "0"], "argument --seq-len: 0 is not a positive integer"),
+        ([*AUTOPLAN, "--top", "-1"], "argument --top: -1 is not a positive integer"),
+        ([*AUTOPLAN, "--steps", "0", "--out", "run.json"], "argument --steps: 0 is not a positive integer"),
+        ([*AUTOPLAN, "--memory", "inf"], "argument --memory: inf is not a finite number"),
+        (["partition", "--planner", "gpipe", "--model", "GPT3-1B", "--stages", "2", "--seq-len", "-5"], "argument --seq-len: -5 is not a positive integer"),
+        (["partition", "--planner", "2bw", "--model", "GPT3-1B", "--batch", "99999999999999999999"], "argument --batch: 99999999999999999999 is beyond 2147483647"),
+        (["partition", "--planner", "2bw", "--model", "GPT3-1B", "--batch", "8", "--microbatch", "0"], "argument --microbatch: 0 is not a positive integer"),
+    ],
+)  # fmt: skip
+def test_bad_layout_options_name_the_value_and_the_rule(argv: list[str], message: str) -> None:
+    code, err = run_cli(argv)
+    assert code == 2 and message in err, err

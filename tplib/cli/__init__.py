@@ -20,13 +20,16 @@ command        what it does
 Each command is one small function from parsed arguments to an exit code, registered in
 :func:`build_parser`. Bad input (a ``ValueError`` from the library, an unreadable file)
 prints ``error: ...`` and exits with 2, as argparse does for usage errors; no traceback.
+Numbers are checked as they are parsed (:func:`integer`, :func:`number`), before any
+work: that they are numbers, finite, and in the ranges the library does not name itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.planning import plan_command, profile_command, simulate_command
@@ -34,25 +37,80 @@ from tplib.cli.runs import bench_command, reproduce_command, run_command, table_
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
 from tplib.tables import TABLE_NAMES
 
-__all__ = ["build_parser", "main"]
+__all__ = ["INT_LIMIT", "build_parser", "integer", "main", "number"]
+
+# The largest integer an option takes: beyond it sizes overflow numpy's and torch's
+# (``--batch 99999999999999999999`` raised OverflowError), and no run needs one.
+INT_LIMIT = 2**31 - 1
+
+
+def integer(least: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at most :data:`INT_LIMIT` and at least ``least``.
+    ``least`` is for options the library would misread (a 0 taken as "the default", a
+    negative size); None leaves the range to the library, whose message says more (a
+    setting is 1..10, K at most the layers)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if least is not None and n < least:
+            rule = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise argparse.ArgumentTypeError(f"{n} is not {rule}")
+        if abs(n) > INT_LIMIT:
+            raise argparse.ArgumentTypeError(f"{n} is beyond {INT_LIMIT}, the largest tplib takes")
+        return n
+
+    return parse
+
+
+def number(least: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``least`` (> with ``above``)."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if x < least or (above and x == least):
+            raise argparse.ArgumentTypeError(f"{text} is not {'>' if above else '>='} {least:g}")
+        return x
+
+    return parse
+
+
+COUNT, ANY_INT = integer(1), integer()
 
 
 def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("profile", help="time one pipeline stage and save a profile (JSON)")
     p.add_argument("--model", required=True, help="named config, e.g. tiny, small, GPT3-1B")
-    p.add_argument("--layers", type=int, default=1, help="layers in the stage (default 1)")
-    p.add_argument("--seq-len", type=int, help="L: longest slice + context (default: model's)")
-    p.add_argument("--batch", type=int, default=1, help="profile batch slice sizes 1..B")
-    p.add_argument("--granularity", type=int, default=8, help="g: lengths g, 2g, ..., L")
-    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
+    p.add_argument("--layers", type=COUNT, default=1, help="layers in the stage (default 1)")
+    p.add_argument("--seq-len", type=COUNT, help="L: longest slice + context (default: model's)")
+    p.add_argument("--batch", type=COUNT, default=1, help="profile batch slice sizes 1..B")
+    p.add_argument("--granularity", type=COUNT, default=8, help="g: lengths g, 2g, ..., L")
+    p.add_argument("--repeats", type=COUNT, default=5, help="timings per point (median)")
     p.add_argument(
-        "--rounds", type=int, default=1, help="sweeps in random order (min); >1 on a shared machine"
+        "--rounds",
+        type=COUNT,
+        default=1,
+        help="sweeps in random order (min); >1 on a shared machine",
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--link-bandwidth", type=float, default=DEFAULT_LINK_BANDWIDTH, help="bytes/s")
-    p.add_argument("--link-latency", type=float, default=DEFAULT_LINK_LATENCY, help="s per message")
-    p.add_argument("--threads", type=int, help="torch CPU threads while timing")
+    p.add_argument(
+        "--link-bandwidth",
+        type=number(0, above=True),
+        default=DEFAULT_LINK_BANDWIDTH,
+        help="bytes/s",
+    )
+    p.add_argument(
+        "--link-latency", type=number(0), default=DEFAULT_LINK_LATENCY, help="s per message"
+    )
+    p.add_argument("--threads", type=COUNT, help="torch CPU threads while timing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="profile file to write")
     p.set_defaults(func=profile_command)
@@ -61,22 +119,22 @@ def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _add_plan_and_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="plan the slicing from a saved profile or a paper setting")
     p.add_argument("--profile", help="profile file (from `tplib profile`)")
-    p.add_argument("--setting", type=int, help="paper setting 1..10, on the V100-cluster model")
-    p.add_argument("--seq-len", type=int, help="L: tokens per sequence")
-    p.add_argument("--batch", type=int, help="B: sequences per pipeline per iteration")
-    p.add_argument("--stages", type=int, help="K: pipeline stages")
-    p.add_argument("--eps", type=float, default=0.0, help="t_max tolerance, s (0: exact)")
+    p.add_argument("--setting", type=ANY_INT, help="paper setting 1..10, on the V100-cluster model")
+    p.add_argument("--seq-len", type=COUNT, help="L: tokens per sequence")
+    p.add_argument("--batch", type=COUNT, help="B: sequences per pipeline per iteration (profile)")
+    p.add_argument("--stages", type=ANY_INT, help="K: pipeline stages (profile)")
+    p.add_argument("--eps", type=number(0), default=0.0, help="t_max tolerance, s (0: exact)")
     p.add_argument("--method", choices=("exact", "paper"), default="exact")
-    p.add_argument("--granularity", type=int, help="g (default: the profile's)")
-    p.add_argument("--max-batch-slice-size", type=int, help="largest batch slice allowed")
+    p.add_argument("--granularity", type=COUNT, help="g (default: the profile's)")
+    p.add_argument("--max-batch-slice-size", type=COUNT, help="largest batch slice (profile)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan_command)
 
     p = sub.add_parser("simulate", help="a paper setting with and without TeraPipe, simulated")
-    p.add_argument("--setting", type=int, required=True, help="paper setting 1..10 (Table 1)")
-    p.add_argument("--seq-len", type=int, help="longer sequences as in Table 4 (setting 5)")
+    p.add_argument("--setting", type=ANY_INT, required=True, help="paper setting 1..10 (Table 1)")
+    p.add_argument("--seq-len", type=COUNT, help="longer sequences as in Table 4 (setting 5)")
     p.add_argument("--method", choices=("exact", "paper"), default="exact")
-    p.add_argument("--eps", type=float, default=1e-4, help="t_max tolerance, s")
+    p.add_argument("--eps", type=number(0), default=1e-4, help="t_max tolerance, s")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=simulate_command)
 
@@ -84,31 +142,33 @@ def _add_plan_and_simulate(sub: argparse._SubParsersAction[argparse.ArgumentPars
 def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("autoplan", help="search TeraPipe's layout for a model, GPUs and batch")
     p.add_argument("--model", required=True, help="named config, e.g. GPT3-44B")
-    p.add_argument("--gpus", type=int, required=True, help="#GPUs = #Data x #Pipe x #Op")
-    p.add_argument("--batch", type=int, required=True, help="B: the global batch, sequences")
-    p.add_argument("--seq-len", type=int, help="L (default: the model's)")
+    p.add_argument("--gpus", type=COUNT, required=True, help="#GPUs = #Data x #Pipe x #Op")
+    p.add_argument("--batch", type=COUNT, required=True, help="B: the global batch, sequences")
+    p.add_argument("--seq-len", type=COUNT, help="L (default: the model's)")
     p.add_argument("--cluster", default="p3.16xlarge", help="instance type (p3.16xlarge)")
-    p.add_argument("--memory", type=float, help="GiB per GPU (default: the cluster's)")
+    p.add_argument(
+        "--memory", type=number(0, above=True), help="GiB per GPU (default: the cluster's)"
+    )
     p.add_argument("--recompute", choices=("both", "none", "full"), default="both")
-    p.add_argument("--top", type=int, default=5, help="configurations to print")
+    p.add_argument("--top", type=COUNT, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write the best layout's torchrun config here (JSON)")
     p.add_argument("--result", default="result.pt", help="where its rank 0 writes results")
-    p.add_argument("--steps", type=int, default=10, help="its timed iterations")
-    p.add_argument("--warmup", type=int, default=2, help="its untimed iterations first")
+    p.add_argument("--steps", type=COUNT, default=10, help="its timed iterations")
+    p.add_argument("--warmup", type=integer(0), default=2, help="its untimed iterations first")
     p.set_defaults(func=autoplan_command)
 
     p = sub.add_parser("partition", help="GPipe, PipeDream or 2BW's planner on a model")
     p.add_argument("--planner", choices=("gpipe", "pipedream", "2bw"), required=True)
     p.add_argument("--model", help="named config, e.g. GPT3-1B (the cluster model)")
     p.add_argument("--profiles", nargs="+", help="measured profiles of every stage, instead")
-    p.add_argument("--memory", type=float, help="GiB per worker (with --profiles)")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs or workers (pipedream, 2bw)")
-    p.add_argument("--stages", type=int, help="K (gpipe)")
-    p.add_argument("--batch", type=int, help="the global batch (2bw)")
-    p.add_argument("--microbatch", type=int, default=1, help="sequences per microbatch")
-    p.add_argument("--seq-len", type=int, help="L (default: the model's)")
-    p.add_argument("--top", type=int, default=5, help="configurations to print (2bw)")
+    p.add_argument("--memory", type=number(0, above=True), help="GiB per worker (with --profiles)")
+    p.add_argument("--gpus", type=COUNT, default=8, help="GPUs or workers (pipedream, 2bw)")
+    p.add_argument("--stages", type=ANY_INT, help="K (gpipe)")
+    p.add_argument("--batch", type=COUNT, help="the global batch (2bw)")
+    p.add_argument("--microbatch", type=COUNT, default=1, help="sequences per microbatch")
+    p.add_argument("--seq-len", type=COUNT, help="L (default: the model's)")
+    p.add_argument("--top", type=COUNT, default=5, help="configurations to print (2bw)")
     p.add_argument("--no-memory-check", action="store_true", help="pipedream: ignore GPU memory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=partition_command)
@@ -119,31 +179,33 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--schedule", required=True, help="gpipe, terapipe, 1f1b, terapipe-zb, 1f1b-zb, ..."
     )
-    p.add_argument("--stages", type=int, required=True, help="K: pipeline stages")
-    p.add_argument("--batch", type=int, required=True, help="B: sequences per iteration")
-    p.add_argument("--seq-len", type=int, required=True, help="L: tokens per sequence")
-    p.add_argument("--slices", type=int, default=1, help="equal token slices per sequence")
+    p.add_argument("--stages", type=ANY_INT, required=True, help="K: pipeline stages")
+    p.add_argument("--batch", type=COUNT, required=True, help="B: sequences per iteration")
+    p.add_argument("--seq-len", type=COUNT, required=True, help="L: tokens per sequence")
+    p.add_argument("--slices", type=COUNT, default=1, help="equal token slices per sequence")
     p.add_argument("--model", default="small", help="named config (default small)")
-    p.add_argument("--data", type=int, default=1, help="#Data: data-parallel replicas")
-    p.add_argument("--op", type=int, default=1, help="#Op: operation-partitioning ranks/stage")
+    p.add_argument("--data", type=COUNT, default=1, help="#Data: data-parallel replicas")
+    p.add_argument("--op", type=ANY_INT, default=1, help="#Op: operation-partitioning ranks/stage")
     p.add_argument("--recompute", default="none", help="none or full (recompute in backward)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
-    p.add_argument("--timeout", type=float, default=300.0, help="communication timeout, s")
-    p.add_argument("--threads", type=int, help="torch threads per process")
+    p.add_argument("--iters", type=COUNT, default=5, help="timed iterations")
+    p.add_argument("--warmup", type=integer(0), default=1, help="untimed iterations first")
+    p.add_argument(
+        "--timeout", type=number(0, above=True), default=300.0, help="communication timeout, s"
+    )
+    p.add_argument("--threads", type=integer(0), help="torch threads per process (0: share)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=bench_command)
 
     p = sub.add_parser("run", help="write a Table-1 setting's torchrun config for GPU nodes")
-    p.add_argument("--setting", type=int, required=True, help="Table 1 row, 1..10")
+    p.add_argument("--setting", type=ANY_INT, required=True, help="Table 1 row, 1..10")
     p.add_argument("--plan", default="cluster", help="cluster, paper, gpipe or a profile JSON")
-    p.add_argument("--seq-len", type=int, help="Table 4's L for setting 5")
+    p.add_argument("--seq-len", type=COUNT, help="Table 4's L for setting 5")
     p.add_argument("--dtype", default="fp16", help="fp16 (default, as the paper), bf16, fp32")
     p.add_argument("--recompute", default="none", help="none or full")
-    p.add_argument("--steps", type=int, default=10, help="timed iterations")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--steps", type=COUNT, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=integer(0), default=2, help="untimed iterations first")
     p.add_argument("--out", default="run.json", help="the config file to write")
     p.add_argument("--result", default="result.pt", help="where rank 0 writes the results")
     p.set_defaults(func=run_command)

@@ -17,8 +17,15 @@ __all__ = ["plan_command", "profile_command", "simulate_command"]
 
 
 def profile_command(args: argparse.Namespace) -> int:
+    from tplib.config import get_config
     from tplib.perfmodel import profile_stage  # times with torch: import only when asked
 
+    cfg = get_config(args.model)
+    if args.layers > cfg.n_layer:  # the timer would build them all (10**20 filled memory)
+        raise ValueError(
+            f"--layers {args.layers} is more than {cfg.name}'s {cfg.n_layer} layers: a stage "
+            "holds at most the whole model"
+        )
     prof = profile_stage(
         args.model,
         layers_per_stage=args.layers,
@@ -131,12 +138,22 @@ def _best_uniform_sizes(cost: Any, seq_len: int, batch: int, n_stages: int, g: i
     return min(plans, key=lambda u: pipeline_latency(u, cost, n_stages))
 
 
+# What plan takes only with --profile; with --setting they used to be ignored in silence.
+_PROFILE_ONLY = ("batch", "stages", "granularity", "max_batch_slice_size")
+
+
 def plan_command(args: argparse.Namespace) -> int:
     from tplib.perfmodel import Profile
 
     if (args.profile is None) == (args.setting is None):
         raise ValueError("give exactly one of --profile FILE or --setting N")
     if args.setting is not None:
+        given = [f"--{n.replace('_', '-')}" for n in _PROFILE_ONLY if getattr(args, n) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only to "
+                "--profile: a paper setting fixes its batch, stages and grid"
+            )
         return _plan_setting(args)
     for name in ("seq_len", "batch", "stages"):
         if getattr(args, name) is None:
@@ -145,7 +162,7 @@ def plan_command(args: argparse.Namespace) -> int:
         prof = Profile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"cannot read profile {args.profile}: {exc.strerror or exc}") from None
-    g = args.granularity or prof.granularity
+    g = prof.granularity if args.granularity is None else args.granularity
     t0 = time.perf_counter()
     p = plan(
         prof,

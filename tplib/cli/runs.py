@@ -92,10 +92,32 @@ def table_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_reproduce_params(args: argparse.Namespace, params: dict[str, Any]) -> None:
+    """Every notebook's parameters, checked as run_table will check them, before the
+    run starts: a bad one used to fail inside its notebook, after the run had begun."""
+    from tplib.reproduce import default_jobs
+    from tplib.tables import get_table
+
+    for table, given in params.items():
+        inner = (
+            given.values()
+            if isinstance(given, dict) and set(given) <= {"simulate", "measure"}
+            else ()
+        )
+        if not isinstance(given, dict) or not all(isinstance(g, dict) for g in inner):
+            raise ValueError(
+                f"--params {table!r}: {given!r} is not a JSON object of the table's parameters "
+                '(or of them per mode, {"simulate": {...}, "measure": {...}})'
+            )
+    for job in default_jobs(args.mode, params, args.results, tuple(args.only or ())):
+        get_table(job.table).check(job.mode, job.params)
+
+
 def reproduce_command(args: argparse.Namespace) -> int:
     from tplib.reproduce import reproduce
 
     params = _json_arg(args.params, "--params")
+    _check_reproduce_params(args, params)
     report = reproduce(
         args.mode,
         force=args.force,
@@ -114,9 +136,12 @@ def reproduce_command(args: argparse.Namespace) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from tplib.config import check_precision, check_recompute
     from tplib.runtime import save_run_config
     from tplib.runtime.layouts import launch_commands, setting_run
 
+    check_precision(args.dtype)  # before the setting is planned, not after
+    check_recompute(args.recompute)
     run = setting_run(
         args.setting,
         plan=args.plan,
