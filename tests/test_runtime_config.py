@@ -103,6 +103,8 @@ def test_hooks_are_checked() -> None:
     assert Hooks(fault="hang:3").fault_rank == 3 and Hooks().fault_rank is None
     with pytest.raises(ValueError, match=r"fault='explode:1'"):
         Hooks(fault="explode:1")
+    with pytest.raises(ValueError, match=r"fault=3: expected 'raise:RANK' or 'hang:RANK'"):
+        Hooks(fault=3)  # type: ignore[arg-type]
 
 
 def test_run_config_round_trips_through_json(tmp_path: Path) -> None:

@@ -345,7 +345,9 @@ class Hooks:
 
     def __post_init__(self) -> None:
         if self.fault:
-            what, _, rank = self.fault.partition(":")
+            what, _, rank = (
+                self.fault.partition(":") if isinstance(self.fault, str) else ("", "", "")
+            )
             if what not in ("raise", "hang") or not rank.isdigit():
                 raise ValueError(f"fault={self.fault!r}: expected 'raise:RANK' or 'hang:RANK'")
 
