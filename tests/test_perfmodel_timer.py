@@ -99,3 +99,22 @@ def test_pipeline_stage_ranges_are_checked_before_timing() -> None:
         profile_pipeline("tiny", 2, stage_ranges=[(0, 2), (3, 4)], seq_len=32)
     with pytest.raises(ValueError, match="give one layer range per stage"):
         profile_pipeline("tiny", 3, stage_ranges=[(0, 2), (2, 4)], seq_len=32)
+
+
+def test_wgrad_fraction_takes_a_median_over_several_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At repeats=1 a single run decided the share; one descheduled W made a profile that
+    # broke its own fwd + wgrad < 1 rule. Each run computes the deferred W once.
+    from tplib.perfmodel.timer import WGRAD_REPEATS, StageTimer
+    from tplib.wgrad import DeferredWeightGrads
+
+    runs: list[object] = []
+    compute = DeferredWeightGrads.compute
+
+    def counted(self: DeferredWeightGrads, units: object) -> None:
+        runs.append(units)
+        compute(self, units)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DeferredWeightGrads, "compute", counted)
+    timer = StageTimer(get_config("tiny"), 1, seq_len=16, repeats=1, warmup=0)
+    share = timer.wgrad_fraction(1, 16)
+    assert len(runs) == WGRAD_REPEATS == 3 and 0 < share < 1

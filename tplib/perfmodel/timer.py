@@ -44,6 +44,7 @@ from tplib.wgrad import DeferredWeightGrads
 __all__ = ["DTYPES", "StageTimer", "profile_pipeline", "profile_stage"]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
+WGRAD_REPEATS = 3  # the fewest timed runs wgrad_fraction takes its median over
 
 
 class StageTimer:
@@ -174,7 +175,8 @@ class StageTimer:
     def wgrad_fraction(self, batch: int, length: int) -> float:
         """The weight gradients' median share of a whole-sequence forward + split
         backward of ``batch`` x ``length`` tokens: F, then B leaving the products' weight
-        gradients to one W (:mod:`tplib.wgrad`), then that W."""
+        gradients to one W (:mod:`tplib.wgrad`), then that W; over at least
+        :data:`WGRAD_REPEATS` runs."""
         linears = [m for m in self.stage.modules() if isinstance(m, Linear)]
         store = DeferredWeightGrads()
         for m in linears:
@@ -183,7 +185,9 @@ class StageTimer:
             ctx = self.stage.new_context(batch, self.seq_len)
             x, targets, grad = self._inputs(batch, length)
             shares = []
-            for _ in range(self.warmup + self.repeats):
+            # One share from one run is at the mercy of one descheduling: at repeats=1 a
+            # W that lost its core read as 0.88 of the whole. The median of three is not.
+            for _ in range(self.warmup + max(self.repeats, WGRAD_REPEATS)):
                 x.grad = None
                 self._sync()
                 t0 = time.perf_counter()
