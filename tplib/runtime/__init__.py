@@ -4,6 +4,7 @@
 module            what it holds
 ================  ====================================================================
 ``config``        :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
+``runfile``       a :class:`RunConfig` as JSON, for torchrun jobs and batch scripts
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``groups``        a rank's process groups, its peers between stages, staged collectives
 ``update``        the optimizer step: global-norm clipping, learning rate, fp16 skips
@@ -18,7 +19,7 @@ module            what it holds
 ================  ====================================================================
 
 This is the only place, with :mod:`tplib.runtime.torchrun`, where torch.distributed is
-used. :class:`RunConfig` and :class:`Hooks` import without torch; the rest loads on first
+used. :class:`RunConfig`, :class:`Hooks` and their JSON import without torch; the rest loads on first
 use.
 """
 
@@ -27,9 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tplib.runtime.config import (
-    Hooks,
-    RunConfig,
+from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.runfile import (
     load_run_config,
     run_config_from_dict,
     run_config_to_dict,

@@ -4,7 +4,7 @@ A run names the model, the parallel layout (#Data replicas x #Pipe stages x #Op 
 the schedule and its slicing, recomputation, the precision and the optimiser. Constructing a :class:`RunConfig` checks every field
 and builds and validates the schedule, so bad input fails here, with a message naming
 the value and the rule, not in a worker process minutes later. It travels as JSON to
-torchrun jobs (:func:`save_run_config`).
+torchrun jobs (:mod:`tplib.runtime.runfile`).
 
 :class:`Hooks` are what tests and debugging add to a run (collecting gradients and
 parameters, injecting a fault); they are not part of what the run trains.
@@ -12,10 +12,7 @@ parameters, injecting a fault); they are not part of what the run trains.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tplib.config import (
@@ -27,7 +24,6 @@ from tplib.config import (
     get_config,
     padded_vocab,
 )
-from tplib.files import write_json
 from tplib.lr import LR_SCHEDULES, LRSchedule
 from tplib.plan import Plan
 from tplib.schedule import ASYNC_SCHEDULES, Schedule, make_schedule
@@ -38,10 +34,6 @@ __all__ = [
     "WEIGHT_DECAY_PARAMS",
     "Hooks",
     "RunConfig",
-    "load_run_config",
-    "run_config_from_dict",
-    "run_config_to_dict",
-    "save_run_config",
 ]
 
 WEIGHT_DECAY_PARAMS = ("matrices", "all")
@@ -354,53 +346,3 @@ class Hooks:
     @property
     def fault_rank(self) -> int | None:
         return int(self.fault.partition(":")[2]) if self.fault else None
-
-
-# ---- RunConfig <-> JSON (for torchrun and batch jobs) ------------------------------------
-
-
-def run_config_to_dict(run: RunConfig) -> dict[str, Any]:
-    out = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.init}
-    out["slicing"] = run.slicing.to_paper() if isinstance(run.slicing, Plan) else run.slicing
-    out["stage_ranges"] = None if run.stage_ranges is None else [list(r) for r in run.stage_ranges]
-    out["betas"] = list(run.betas)
-    out["model_overrides"] = dict(run.model_overrides)
-    return out
-
-
-def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
-    if not isinstance(data, dict):
-        raise ValueError(f"a run config is a JSON object of RunConfig fields, not {data!r}")
-    known = {f.name for f in dataclasses.fields(RunConfig) if f.init}
-    unknown = sorted(set(map(str, data)) - known)
-    if unknown:
-        raise ValueError(f"unknown RunConfig fields {unknown}: known fields are {sorted(known)}")
-    data = dict(data)
-    if isinstance(data.get("slicing"), str):
-        data["slicing"] = Plan.from_paper(data["slicing"])
-    # JSON's arrays become the tuples a RunConfig holds (lists would not compare equal).
-    if isinstance(ranges := data.get("stage_ranges"), list):
-        data["stage_ranges"] = tuple(tuple(r) if isinstance(r, list) else r for r in ranges)
-    if isinstance(data.get("betas"), list):
-        data["betas"] = tuple(data["betas"])
-    overrides = data.get("model_overrides") or {}
-    try:
-        data["model_overrides"] = tuple(sorted(dict(overrides).items()))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"model_overrides={overrides!r} must map GPTConfig fields to values, "
-            'e.g. {"n_layer": 4}'
-        ) from None
-    return RunConfig(**data)
-
-
-def save_run_config(run: RunConfig, path: str | Path) -> None:
-    write_json(path, run_config_to_dict(run), indent=2)
-
-
-def load_run_config(path: str | Path) -> RunConfig:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"run config {path} is not JSON: {exc}") from None
-    return run_config_from_dict(data)

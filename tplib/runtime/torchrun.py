@@ -38,13 +38,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from tplib.files import atomic_write
-from tplib.runtime.config import (
-    RunConfig,
-    load_run_config,
-    run_config_from_dict,
-    run_config_to_dict,
-)
+from tplib.runtime.config import RunConfig
 from tplib.runtime.pool import RunResult
+from tplib.runtime.runfile import load_run_config, run_config_from_dict, run_config_to_dict
 from tplib.runtime.worker import RankResult, run_worker
 
 __all__ = ["MissingRanksError", "load_result", "main"]
