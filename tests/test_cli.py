@@ -425,6 +425,15 @@ def test_profile_refuses_bad_options_before_timing(data: st.DataObject) -> None:
     check_bad_option(PROFILE, PROFILE_OPTIONS, data)
 
 
+# The options of a command that plans a paper setting (plan --setting, simulate).
+SETTING_OPTIONS = {
+    "--setting": "setting",
+    "--eps": "nonneg",
+    "--seq-len": "count",
+    "--method": "method",
+}
+
+
 @FUZZ
 @given(st.data())
 def test_plan_refuses_bad_options(profile_file: Path, data: st.DataObject) -> None:
@@ -450,26 +459,14 @@ def test_plan_refuses_bad_options(profile_file: Path, data: st.DataObject) -> No
             "--method": "method",
         }
     else:
-        base = ["plan", "--setting", "9"]
-        options = {
-            "--setting": "setting",
-            "--eps": "nonneg",
-            "--seq-len": "count",
-            "--method": "method",
-        }
-    check_bad_option(base, options, data)  # fmt: skip
+        base, options = ["plan", "--setting", "9"], SETTING_OPTIONS
+    check_bad_option(base, options, data)
 
 
 @FUZZ
 @given(st.data())
 def test_simulate_refuses_bad_options(data: st.DataObject) -> None:
-    options = {
-        "--setting": "setting",
-        "--eps": "nonneg",
-        "--seq-len": "count",
-        "--method": "method",
-    }
-    check_bad_option(["simulate", "--setting", "9"], options, data)
+    check_bad_option(["simulate", "--setting", "9"], SETTING_OPTIONS, data)
 
 
 BENCH_OPTIONS = {
