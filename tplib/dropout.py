@@ -12,7 +12,9 @@ Any slicing, layout or recomputation of the same iteration therefore drops exact
 same elements, and the exactness tests hold with dropout on.
 
 The hash is a chain of 32-bit integer mixes (``lowbias32``, by Chris Wellons' hash
-prospector) on int64 tensors; it is a deterministic stand-in for a random generator,
+prospector): of the seed and site in Python integers, then of each coordinate on the
+coordinates' own device in int64 tensors, so a mask needs no host-to-device copy (and no
+synchronisation) on a GPU. It is a deterministic stand-in for a random generator,
 statistically fine for dropout, and costs a few integer operations per element.
 
 A :class:`DropoutKey` (the iteration's seed and the first sequence's global row) is
@@ -59,24 +61,51 @@ class DropoutKey:
         return torch.arange(self.first_row, self.first_row + batch, device=device)
 
 
-def _mix(x: Tensor) -> Tensor:
-    # lowbias32 on the low 32 bits. int64 products wrap modulo 2^64, which keeps the low
-    # 32 bits exact, and every value is masked back to 32 bits before the next shift.
-    x = x & _MASK32
-    x = x ^ (x >> 16)
+def _mix_int(x: int) -> int:
+    """lowbias32 of the low 32 bits of ``x``, in Python integers (see :func:`_mix`)."""
+    x &= _MASK32
+    x ^= x >> 16
     x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
+    x ^= x >> 15
     x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
 
 
+def _mix_(x: Tensor) -> Tensor:
+    """lowbias32 of ``x``, in place; every element must already lie in [0, 2^32).
+
+    The same chain as :func:`_mix_int`. int64 products wrap modulo 2^64, which keeps the
+    low 32 bits exact, and every value is masked back to 32 bits before the next shift.
+    In place, because on the attention scores ``x`` is the full (batch, heads, queries,
+    keys) tensor: each new temporary would be another allocation of its size."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
+
+
+def _key_hash(key: DropoutKey, site: int) -> int:
+    """The hash of (seed, site), before any coordinate: Python integers, so that no
+    tensor is made on the host and copied to the coordinates' device for every mask."""
+    seed = _mix_int((key.seed & _MASK32) ^ ((key.seed >> 32) * 0x9E3779B9))
+    return _mix_int(seed ^ site)
+
+
 def keep(p: float, key: DropoutKey, site: int, *coords: Tensor) -> Tensor:
     """The keep mask (True: kept) of dropout with probability ``p`` over the broadcast
-    of the integer coordinate tensors ``coords`` (e.g. rows, positions, features)."""
-    h = _mix(torch.tensor(key.seed & _MASK32) ^ (torch.tensor(key.seed >> 32) * 0x9E3779B9))
-    h = _mix(h ^ site)
+    of the integer coordinate tensors ``coords`` (e.g. rows, positions, features).
+
+    Each coordinate is mixed in as it broadcasts: rows, heads and positions over their
+    small shapes, and only the last coordinate over the mask's full size. A coordinate
+    is masked to 32 bits before it broadcasts (the hash so far already fits), which is
+    the same as masking their full-size XOR."""
+    h: Tensor | int = _key_hash(key, site)
     for c in coords:
-        h = _mix(h.to(c.device) ^ c.to(torch.int64))
+        h = _mix_(h ^ (c.to(torch.int64) & _MASK32))
+    if isinstance(h, int):
+        raise ValueError("keep() needs at least one coordinate tensor")
     threshold = int(p * 2**32)
     return h >= threshold
 
@@ -91,7 +120,8 @@ class StageDropout:
         self.positions = torch.arange(start, start + x.shape[1], device=x.device)
 
     def _apply(self, x: Tensor, mask: Tensor) -> Tensor:
-        return x.masked_fill(~mask, 0.0) * self.scale
+        # One pass fewer over the scores than x.masked_fill(~mask, 0) * scale, same values.
+        return torch.where(mask, x * self.scale, 0.0)
 
     def hidden(self, x: Tensor, site: int) -> Tensor:
         """Hidden states (batch, length, hidden), whole on every op rank."""
