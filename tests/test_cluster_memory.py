@@ -5,14 +5,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from tplib.cluster import ClusterCostModel, memory_per_gpu
-from tplib.cluster.memory import peak_in_flight, schedule_memory_per_gpu, stage_memory_on_cluster
+from tplib.cluster.memory import (
+    peak_in_flight,
+    schedule_memory_per_gpu,
+    stage_memory,
+    stage_memory_on_cluster,
+)
 from tplib.config import GPTConfig, get_config, n_params_per_layer
+from tplib.model import build_model
 from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
+from tplib.precision import make_optimizer
 from tplib.runtime import LocalPool, RunConfig, RunResult
 from tplib.runtime.benchmark import modelled_memory
+from tplib.runtime.memory import gradient_bytes, parameter_bytes
 from tplib.schedule import Action, Kind, make_schedule
 
 
@@ -165,6 +174,33 @@ def test_schedule_memory_of_fill_drain_is_memory_per_gpu() -> None:
 
 
 # ---- the runtime memory model against measurement (local gloo processes) ----------------
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0, 4), (0, 2), (1, 3), (2, 4)])
+def test_fp16_states_are_the_optimizers_buffers(lo: int, hi: int) -> None:
+    """fp16's 18 bytes per parameter (and Adam's step counters) are what an fp16 stage
+    and its optimizer hold after a step, measured on CPU: the fp16 weights, the fp32 main
+    grads that are also the master gradients, the masters, Adam's moments; no fp16 .grad
+    is left."""
+    cfg = get_config("tiny")
+    stage = build_model(cfg, lo, hi, dtype=torch.float16)
+    opt = make_optimizer(
+        stage.parameters(), "fp16", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8
+    )
+    x = (
+        torch.randint(0, cfg.vocab_size, (1, 16))
+        if stage.is_first
+        else torch.randn(1, 16, cfg.hidden, dtype=torch.float16)
+    )
+    out = stage(x, targets=torch.randint(0, cfg.vocab_size, (1, 16)) if stage.is_last else None)
+    out.float().sum().backward()
+    assert opt.step(bool(opt.unscale_grads().item()))
+    assert all(p.grad is None for p in stage.parameters())
+    measured = parameter_bytes(stage) + gradient_bytes(stage) + opt.state_bytes()
+    plan, one = Plan.gpipe(1, 16), (Action(Kind.F, 0, 0, 0),)
+    modelled = stage_memory(cfg, lo, hi, plan=plan, actions=one, precision="fp16")
+    assert modelled.states == measured
+
 
 # tiny, 2 stages, 4 sequences of 32 tokens; TeraPipe and 1F1B cut each into 4 token slices,
 # GPipe runs unsliced microbatches of one sequence.

@@ -1,30 +1,37 @@
 """Tests for tplib.precision: the loss scaler's rules, fp16 master-weight AdamW against torch's
 AdamW on an independent fp32 copy, overflow skipping, and loss scaling rescuing a gradient
-that fp16 would flush to zero; GPT-3's weight-decay groups, the learning rate set per step
+that fp16 would flush to zero, fp16 gradients summed over many units in fp32 main grads;
+GPT-3's weight-decay groups, the learning rate set per step
 and clipping of the gradients the step uses (fp16: the unscaled master grads) against torch's
 own tools. Everything runs on CPU with float16 tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import pytest
 import torch
 from torch import Tensor
 
+from tplib.linear import Linear
+from tplib.plan import Unit
 from tplib.precision import (
     DECAY_RULES,
     PRECISIONS,
     DynamicLossScaler,
     MixedPrecisionOptimizer,
     PlainOptimizer,
+    attach_main_grads,
     autocast,
     check_precision,
     is_matrix,
     make_optimizer,
     param_dtype,
 )
+from tplib.runtime.memory import storage_bytes
+from tplib.wgrad import DeferredWeightGrads, main_grad
 
 
 class Hyper(TypedDict):
@@ -208,16 +215,91 @@ def test_none_grad_counts_as_zero_and_master_grads_persist() -> None:
     assert [g.data_ptr() for g in grads if g is not None] == ptrs
 
 
-def test_state_bytes_is_16_per_parameter_beyond_the_model() -> None:
+def test_state_bytes_is_12_per_parameter_beyond_the_model_and_its_main_grads() -> None:
     params = _params(torch.float16)
     n = sum(p.numel() for p in params)
     opt = MixedPrecisionOptimizer(params, **HYPER)
-    assert opt.state_bytes() == 8 * n  # master + master grad; Adam's m, v come with step 1
+    # The gradients live in the fp32 main grads, 4 bytes each, counted as the model's.
+    mains = [main_grad(p) for p in params]
+    assert all(m is not None and m.dtype == torch.float32 for m in mains)
+    assert storage_bytes([m for m in mains if m is not None]) == 4 * n
+    assert opt.state_bytes() == 4 * n  # the masters; Adam's m, v come with step 1
     _set_scaled_grads(params, _true_grads(0), opt.loss_scale)
     opt.unscale_grads()
     opt.step(False)
     # + m and v, 4 bytes each, and a float32 step counter per tensor.
-    assert opt.state_bytes() == 16 * n + 4 * len(params)
+    assert opt.state_bytes() == 12 * n + 4 * len(params)
+
+
+# -- fp16 gradients accumulated in fp32 (main_grad) ---------------------------------------
+
+# A first unit's gradient of 1.0, then UNITS gradients of 2**-12 each: fp16's spacing at 1.0
+# is 2**-10, so in fp16 each small one rounds away and the sum stays 1.0; in fp32 the sum
+# is exactly 1 + 2**-5. Scaled by 2**10, as a loss scale does, nothing changes but the exponent.
+UNITS, SMALL, SCALE = 128, 2.0**-12, 2.0**10
+
+
+def _accumulate_units(path: str) -> tuple[list[Tensor], list[Tensor | None]]:
+    """Run 1 + UNITS backwards through fp16 parameters the way a stage's units do, each
+    giving every parameter a gradient of 1.0 (the first) or SMALL (the others); return
+    the unscaled gradients the optimizer steps with, and each .grad after the backwards."""
+    torch.manual_seed(0)
+    lin, ln = Linear(4, 1).half(), torch.nn.LayerNorm(4).half()
+    emb = torch.nn.Embedding(3, 4).half()
+    params = [cast(torch.nn.Parameter, p) for p in (lin.weight, lin.bias, ln.bias, emb.weight)]
+    opt = MixedPrecisionOptimizer(params, **HYPER, scaler=DynamicLossScaler(scale=SCALE))
+    store = DeferredWeightGrads()
+    if path == "deferred":
+        lin.deferred = store
+    x = torch.ones(1, 4, dtype=torch.float16)
+    for u in range(1 + UNITS):
+        g = (1.0 if u == 0 else SMALL) * opt.loss_scale
+        seed = torch.full((1, 1), g, dtype=torch.float16)
+        unit = Unit(0, u)
+        with store.collecting(unit) if path == "deferred" else contextlib.nullcontext():
+            # dW = seed^T x = g, db = g; the LayerNorm's bias and the embedding row get
+            # the output gradient g itself, through autograd.
+            lin(x).backward(seed)
+            ln(x).backward(torch.full((1, 4), g, dtype=torch.float16))
+            emb(torch.tensor([1])).backward(torch.full((1, 4), g, dtype=torch.float16))
+        if path == "deferred":
+            store.compute([unit])  # one W per unit: the accumulation is across Ws
+    left = [p.grad for p in params]
+    assert opt.unscale_grads().item() == 0.0
+    grads = [g for g in opt.grads() if g is not None]
+    return [grads[0], grads[1], grads[2], grads[3][1]], left
+
+
+@pytest.mark.parametrize("path", ["fused", "deferred"])
+def test_fp16_gradients_keep_their_fp32_sum_over_units(path: str) -> None:
+    """The model's products (fused into the GEMM, or deferred to W) and the parameters
+    autograd accumulates (a LayerNorm's bias, an embedding) sum their units' gradients
+    in fp32: fp16 accumulation would give 1.0."""
+    grads, left = _accumulate_units(path)
+    exact = 1.0 + UNITS * SMALL
+    assert exact == 1 + 2**-5 and torch.tensor(exact, dtype=torch.float16).item() == exact
+    names = ["product weight", "product bias", "LayerNorm bias", "embedding"]
+    for name, g in zip(names, grads, strict=True):
+        assert g.dtype == torch.float32, name
+        assert torch.equal(g, torch.full_like(g, exact)), (name, g)
+    # The fp16 .grad lives only until the hook moves it: none is left behind.
+    assert left == [None] * 4
+
+
+def test_main_grads_are_attached_once() -> None:
+    """A second optimizer on the same parameters shares their main grads: the hook that
+    moves autograd's gradient into them is not registered twice (which would add each
+    gradient twice)."""
+    params = _params(torch.float16)
+    first = attach_main_grads(params)
+    opt = MixedPrecisionOptimizer(params, **HYPER, scaler=DynamicLossScaler(scale=1.0))
+    assert [g is m for g, m in zip(opt.grads(), first, strict=True)] == [True] * len(SHAPES)
+    (params[0].float().sum() * 0.5).backward()
+    assert params[0].grad is None
+    assert torch.equal(first[0], torch.full_like(first[0], 0.5))
+    assert opt.unscale_grads().item() == 0.0
+    opt.zero_grad()
+    assert all(torch.count_nonzero(m) == 0 for m in first)
 
 
 def test_loss_scaling_keeps_a_gradient_fp16_flushes_to_zero() -> None:

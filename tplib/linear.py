@@ -3,7 +3,8 @@ the row-parallel product of operation partitioning.
 
 :class:`Linear` is ``nn.Linear`` for every product of a block and for the LM head. On
 the float32 path its backward adds the weight and bias gradients straight into ``.grad``
-inside the GEMM (see :class:`_LinearAccumulate`); with an #Op group it is Megatron's
+inside the GEMM (see :class:`_LinearAccumulate`), and on the fp16 path into the fp32
+``main_grad`` (:func:`tplib.precision.attach_main_grads`); with an #Op group it is Megatron's
 row-parallel product (:mod:`tplib.oppart`). Given a
 :class:`~tplib.wgrad.DeferredWeightGrads` (``deferred``), a backward run while it
 collects computes the input gradient only and leaves the weight gradients to it
@@ -17,14 +18,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tplib.oppart import OpGroup, reduce_from_group
-from tplib.wgrad import DeferredWeightGrads, weight_grads_now
+from tplib.wgrad import DeferredWeightGrads, main_grad, weight_grads_now
 
 __all__ = ["Linear"]
 
 
 class _LinearAccumulate(torch.autograd.Function):
     """``x @ W.T + b`` whose backward adds the weight and bias gradients straight into
-    ``.grad`` inside the GEMM (``addmm_`` with beta=1).
+    ``.grad`` inside the GEMM (``addmm_`` with beta=1), or an fp16 product into the
+    parameters' fp32 ``main_grad``.
 
     A stage runs backward once per token slice, so each weight receives one gradient per
     slice; letting autograd allocate each and add it to ``.grad`` costs a full pass over
@@ -95,7 +97,8 @@ class _LinearDeferred(torch.autograd.Function):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that accumulates its parameter gradients in place (float32 path).
+    """``nn.Linear`` that accumulates its parameter gradients in place: float32 into
+    ``.grad``, fp16 with a ``main_grad`` into that.
 
     Under autocast, or for other dtypes, it is a plain ``nn.Linear``. With an ``op``
     group of several ranks it is row-parallel: each rank multiplies its share of the
@@ -113,10 +116,12 @@ class Linear(nn.Linear):
     def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.deferred is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             return _LinearDeferred.apply(x, self.weight, bias, self.deferred)
+        weight = self.weight
         fused = (
             torch.is_grad_enabled()
-            and self.weight.requires_grad
-            and x.dtype == self.weight.dtype == torch.float32
+            and weight.requires_grad
+            and x.dtype == weight.dtype
+            and (weight.dtype == torch.float32 or main_grad(weight) is not None)
             and not torch.is_autocast_enabled(x.device.type)
         )
         if fused:

@@ -7,23 +7,35 @@ Three precisions, chosen per run:
   bfloat16 (CPU and CUDA). bf16 has float32's exponent range, so gradients neither
   underflow nor overflow and no loss scaling is needed.
 - ``"fp16"``: the Megatron/apex "O2" recipe of the paper's V100 runs (V100s have no bf16).
-  The model's parameters and gradients are float16; the optimizer keeps fp32 master copies,
-  because an fp16 weight cannot absorb an update below its spacing (``1 + 1e-4 == 1`` in
-  fp16) and Adam's second moment needs float32's range. fp16's smallest subnormal is about
-  6e-8, so small gradients would flush to zero: the loss is multiplied by a
+  The model's parameters are float16; the optimizer keeps fp32 master copies, because an
+  fp16 weight cannot absorb an update below its spacing (``1 + 1e-4 == 1`` in fp16) and
+  Adam's second moment needs float32's range. fp16's smallest subnormal is about 6e-8, so
+  small gradients would flush to zero: the loss is multiplied by a
   :class:`DynamicLossScaler`'s scale before backward and the gradients divided by it again
   in fp32, where they are representable.
 
-Per parameter, fp16 holds 2 (weight) + 2 (grad) + 4 (master) + 4 (master grad) + 4 + 4
-(Adam m, v) = 20 bytes, the figure the memory model charges. The master grads are allocated
-once and kept, so that peak is what every step uses, not a transient.
+  Gradients accumulate in fp32, as Megatron's ``main_grad``: a stage adds one gradient per
+  unit (every token slice of every batch slice), and in fp16 a unit's gradient below half
+  the spacing of the sum so far would be rounded away (after a 1.0, anything under 2^-11).
+  Each fp16 parameter gets an fp32 ``main_grad`` (:func:`attach_main_grads`, allocated
+  once and kept): the model's products add their fp16 weight gradients into it
+  (:mod:`tplib.linear`, :mod:`tplib.wgrad`), and the parameters autograd accumulates
+  (LayerNorms, embeddings, row-parallel biases) have their fp16 ``.grad`` moved into it and
+  freed by a post-accumulate-grad hook. ``main_grad`` is also the master gradient the
+  optimizer unscales in place, so there is no second fp32 gradient buffer.
+
+Per parameter, fp16 holds 2 (weight) + 4 (main grad) + 4 (master) + 4 + 4 (Adam m, v)
+= 18 bytes, the figure the memory model charges; the fp16 ``.grad`` lives only between an
+autograd accumulation and its hook. The main grads are allocated once and kept, so that
+peak is what every step uses, not a transient.
 
 An fp16 step, on every rank::
 
-    (loss * opt.loss_scale).backward()      # the last stage scales; gradients flow back scaled
+    (loss * opt.loss_scale).backward()      # the last stage scales; gradients flow back
+                                            # scaled, into the fp32 main grads
     found = opt.unscale_grads()             # 0-d tensor: 1.0 if any gradient is inf/NaN
     all_reduce(found, MAX)                  # over every rank of the run
-    if not found: clip(opt.grads())         # the unscaled fp32 master grads, never a skip's
+    if not found: clip(opt.grads())         # the unscaled main grads, never a skip's
     opt.set_lr(lr); opt.step(bool(found.item())); opt.zero_grad()
 
 Every rank must take the same decision: data-parallel replicas must stay identical, and
@@ -50,6 +62,7 @@ from torch import Tensor
 
 from tplib.config import PRECISIONS, check_precision
 from tplib.runtime.memory import optimizer_bytes, storage_bytes
+from tplib.wgrad import main_grad
 
 __all__ = [
     "DECAY_RULES",
@@ -57,6 +70,7 @@ __all__ = [
     "DynamicLossScaler",
     "MixedPrecisionOptimizer",
     "PlainOptimizer",
+    "attach_main_grads",
     "autocast",
     "check_precision",
     "decay_groups",
@@ -177,11 +191,42 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def _move_to_main_grad(param: Tensor) -> None:
+    # Runs after autograd has accumulated into param.grad: one fp16 gradient of one unit.
+    # It also runs where a product returned no gradient (tplib.linear adds into main_grad
+    # itself), with nothing in .grad.
+    main = main_grad(param)
+    assert main is not None  # attached with the hook
+    if param.grad is not None:
+        main.add_(param.grad)
+        param.grad = None
+
+
+def attach_main_grads(params: Iterable[Tensor]) -> list[Tensor]:
+    """Give each parameter an fp32 ``main_grad`` its gradient accumulates in (see the
+    module docstring), once: a parameter that has one keeps it. Returns them in order.
+
+    The model's products add into ``main_grad`` themselves; for every other use of the
+    parameter a post-accumulate-grad hook moves the fp16 ``.grad`` autograd leaves into
+    it and frees the ``.grad``."""
+    mains = []
+    for p in params:
+        main = main_grad(p)
+        if main is None:
+            main = torch.zeros_like(p, dtype=torch.float32)
+            p.main_grad = main  # type: ignore[attr-defined]
+            p.register_post_accumulate_grad_hook(_move_to_main_grad)
+        mains.append(main)
+    return mains
+
+
 class MixedPrecisionOptimizer:
     """AdamW on fp32 master copies of float16 model parameters, with dynamic loss scaling.
 
-    A model parameter whose gradient is None counts as having a zero gradient (it still
-    receives weight decay and momentum), unlike torch AdamW, which skips it.
+    Each model parameter's gradient accumulates in its fp32 ``main_grad``
+    (:func:`attach_main_grads`), which is also its master's ``.grad``. A parameter whose
+    gradient is zero still receives weight decay and momentum, unlike torch AdamW, which
+    skips a parameter whose gradient is None.
     """
 
     def __init__(
@@ -208,11 +253,11 @@ class MixedPrecisionOptimizer:
         self.steps_skipped = 0
         self._device = self.params[0].device
         self._masters: list[Tensor] = []
-        for p in self.params:
+        for p, main in zip(self.params, attach_main_grads(self.params), strict=True):
             master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
-            # Allocated once and overwritten by every unscale_grads: the inner AdamW never
-            # zeroes it, so the 4 bytes per parameter stay put instead of coming and going.
-            master.grad = torch.zeros_like(master)
+            # The main grad itself: the inner AdamW reads the gradients where they were
+            # accumulated, and never zeroes or frees them.
+            master.grad = main
             self._masters.append(master)
         self.inner = torch.optim.AdamW(
             decay_groups(self.params, self._masters, weight_decay, decay),
@@ -231,26 +276,29 @@ class MixedPrecisionOptimizer:
         return self._masters
 
     def unscale_grads(self) -> Tensor:
-        """Copy the model grads, divided by the loss scale, into the fp32 master grads.
+        """Divide the main grads by the loss scale, in place (call it once per step).
 
-        Returns a 0-d float32 tensor on the parameters' device, 1.0 if any master grad is
+        A gradient left in a parameter's fp16 ``.grad`` (set there directly, not by a
+        backward, whose hook moves it) is added to its main grad first.
+
+        Returns a 0-d float32 tensor on the parameters' device, 1.0 if any main grad is
         inf or NaN, else 0.0. It stays a tensor (no host sync here) so that the caller can
         all-reduce it with MAX before calling :meth:`step`.
         """
         finite = []
         for p, m in zip(self.params, self._masters, strict=True):
-            assert m.grad is not None
-            if p.grad is None:
-                m.grad.zero_()
-            else:
-                m.grad.copy_(p.grad).div_(self.scaler.scale)
+            assert m.grad is not None  # the main grad, attached for good
+            if p.grad is not None:
+                m.grad.add_(p.grad)
+                p.grad = None
+            m.grad.div_(self.scaler.scale)
             finite.append(torch.isfinite(m.grad).all())
         return torch.stack(finite).all().logical_not().to(torch.float32)
 
     def grads(self) -> list[Tensor | None]:
-        """The gradients :meth:`step` will use, one per parameter in order: the unscaled
-        fp32 master grads (valid after :meth:`unscale_grads`), which gradient clipping
-        scales in place."""
+        """The gradients :meth:`step` will use, one per parameter in order: the main
+        grads, unscaled fp32 after :meth:`unscale_grads`, which gradient clipping scales
+        in place."""
         return [m.grad for m in self._masters]
 
     def set_lr(self, lr: float) -> None:
@@ -272,15 +320,17 @@ class MixedPrecisionOptimizer:
         return True
 
     def zero_grad(self) -> None:
-        # Only the model's fp16 grads: the master grads are kept and overwritten.
-        for p in self.params:
+        # The main grads are kept and zeroed; an fp16 .grad is only ever transient.
+        for p, m in zip(self.params, self._masters, strict=True):
             p.grad = None
+            assert m.grad is not None
+            m.grad.zero_()
 
     def state_bytes(self) -> int:
-        """Bytes held beyond the model parameters and their grads: masters, master grads
-        and Adam's state (the latter allocated by the first step that is not skipped)."""
-        grads = [m.grad for m in self._masters if m.grad is not None]
-        return storage_bytes(self._masters) + storage_bytes(grads) + optimizer_bytes(self.inner)
+        """Bytes held beyond the model parameters and their gradient buffers (the main
+        grads, :func:`tplib.runtime.memory.gradient_bytes`): the masters and Adam's state
+        (allocated by the first step that is not skipped)."""
+        return storage_bytes(self._masters) + optimizer_bytes(self.inner)
 
 
 class PlainOptimizer:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from tplib.plan import Unit
 
-__all__ = ["DeferredWeightGrads", "weight_grads_now"]
+__all__ = ["DeferredWeightGrads", "grad_buffer", "main_grad", "weight_grads_now"]
 
 
 @dataclass
@@ -47,7 +47,8 @@ class DeferredWeightGrads:
 
     :meth:`collecting` opens a unit's backward: the stage's products defer into it.
     :meth:`compute` then computes the weight gradients of any set of collected units,
-    one product per weight, and adds them into ``.grad``. ``hold``, if given, is told
+    one product per weight, and adds them into each weight's gradient buffer
+    (:func:`grad_buffer`: fp16's fp32 ``main_grad``, else ``.grad``). ``hold``, if given, is told
     about every tensor kept between the two (a memory meter counts them)."""
 
     def __init__(self, hold: Callable[[Tensor], object] | None = None) -> None:
@@ -84,8 +85,8 @@ class DeferredWeightGrads:
 
     @torch.no_grad()
     def compute(self, units: Sequence[Unit]) -> None:
-        """Add the weight gradients of ``units`` into ``.grad``: per weight, one product
-        over all their rows."""
+        """Add the weight gradients of ``units`` into their gradient buffers: per weight,
+        one product over all their rows."""
         missing = [u for u in units if u not in self._pending]
         if missing:
             raise RuntimeError(
@@ -105,14 +106,28 @@ class DeferredWeightGrads:
             weight_grads_now(p.weight, p.bias, x, g)
 
 
+def main_grad(param: Tensor) -> Tensor | None:
+    """``param``'s fp32 ``main_grad``, where an fp16 run accumulates its gradient
+    (:func:`tplib.precision.attach_main_grads`), or None."""
+    return getattr(param, "main_grad", None)
+
+
+def grad_buffer(param: Tensor) -> Tensor | None:
+    """Where ``param``'s gradient accumulates: its ``main_grad`` if it has one, else
+    ``.grad``."""
+    main = main_grad(param)
+    return main if main is not None else param.grad
+
+
 @torch.no_grad()
 def weight_grads_now(weight: Tensor, bias: Tensor | None, x: Tensor, grad: Tensor) -> None:
-    """Add dW = grad^T x (and db = the sum of grad) into ``.grad``, over all leading
-    dimensions of ``x`` and ``grad``."""
+    """Add dW = grad^T x (and db = the sum of grad) into each parameter's gradient
+    buffer (:func:`grad_buffer`), over all leading dimensions of ``x`` and ``grad``."""
     g = grad.reshape(-1, grad.shape[-1])
     x = x.reshape(-1, x.shape[-1]).to(g.dtype)
-    if weight.grad is not None and weight.grad.dtype == g.dtype:
-        weight.grad.addmm_(g.t(), x)  # in place: no temporary of W's size
+    buffer = grad_buffer(weight)
+    if buffer is not None and buffer.dtype == g.dtype:
+        buffer.addmm_(g.t(), x)  # in place: no temporary of W's size
     else:
         _accumulate(weight, g.t() @ x)
     if bias is not None:
@@ -120,7 +135,12 @@ def weight_grads_now(weight: Tensor, bias: Tensor | None, x: Tensor, grad: Tenso
 
 
 def _accumulate(param: Tensor, grad: Tensor) -> None:
-    if param.grad is None:
+    main = main_grad(param)
+    if main is not None:
+        # An fp16 product added in fp32: the sum over units keeps what fp16 would round
+        # away (a slice's gradient below half the spacing of the sum so far).
+        main.add_(grad)
+    elif param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
         param.grad.add_(grad)

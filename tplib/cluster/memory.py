@@ -72,11 +72,12 @@ ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32
 
 
 # tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
-# Adam's m and v; fp16 adds fp32 master weights and master gradients to fp16 ones.
+# Adam's m and v. fp16: an fp16 weight, its gradient accumulated in an fp32 main grad that
+# is also the master gradient (tplib.precision), the fp32 master weight, Adam's m and v.
 RUNTIME_STATE_BYTES = {
     "fp32": FP32 + FP32 + FP32 + FP32,
     "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
-    "fp16": FP16 + FP16 + FP32 + FP32 + FP32 + FP32,
+    "fp16": FP16 + FP32 + FP32 + FP32 + FP32,
 }
 ADAM_STEP_BYTES = FP32  # torch's AdamW keeps a float32 step counter per parameter tensor
 PARAM_TENSORS_PER_LAYER = 12  # 2 LayerNorms, QKV, projection, FC1, FC2: weight and bias each

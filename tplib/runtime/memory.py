@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from tplib.context import StageContext
+from tplib.wgrad import main_grad
 
 __all__ = [
     "Held",
@@ -235,9 +236,14 @@ def parameter_bytes(module: nn.Module) -> int:
 
 
 def gradient_bytes(module: nn.Module) -> int:
-    """Bytes of the ``.grad`` of ``module``'s parameters that exist now (after a backward;
-    none before the first, nor after ``zero_grad(set_to_none=True)``)."""
-    return storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
+    """Bytes of the gradient buffers of ``module``'s parameters that exist now: each
+    ``.grad`` (after a backward; none before the first, nor after
+    ``zero_grad(set_to_none=True)``) and fp16's fp32 ``main_grad``
+    (:func:`tplib.precision.attach_main_grads`), kept from the optimizer's start."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    mains = [m for m in map(main_grad, params) if m is not None]
+    return storage_bytes(grads + mains)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:

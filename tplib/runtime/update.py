@@ -6,6 +6,10 @@ all-reduce over the world. Then AdamW steps with the learning rate :mod:`tplib.l
 the iteration (fp16: on the fp32 master weights, skipped by every rank together when any
 gradient overflowed, and then not clipped), and the gradients, which stay allocated, are
 zeroed.
+
+Where a parameter's gradient accumulates is its *gradient buffer*
+(:meth:`Update.grad_buffers`): ``.grad`` in fp32 and bf16, the fp32 ``main_grad`` in fp16
+(:mod:`tplib.precision`). The data-parallel and tied-embedding all-reduces sum those.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from tplib.oppart import shard_spec
 from tplib.precision import DECAY_RULES, make_optimizer
 from tplib.runtime.config import RunConfig
 from tplib.runtime.groups import RankGroups, shared_weight
+from tplib.wgrad import grad_buffer
 
 __all__ = ["Update"]
 
@@ -29,8 +34,7 @@ class Update:
     def __init__(self, run: RunConfig, stage: GPTStage, groups: RankGroups) -> None:
         self.run, self.stage, self.groups = run, stage, groups
         self.params = list(stage.parameters())
-        for p in self.params:  # kept allocated between steps, as the memory model assumes
-            p.grad = torch.zeros_like(p)
+        # fp16: attaches each parameter's fp32 main_grad, its gradient buffer.
         self.optimizer = make_optimizer(
             self.params,
             run.precision,
@@ -40,10 +44,27 @@ class Update:
             eps=run.adam_eps,
             decay=DECAY_RULES[run.weight_decay_params],
         )
+        for p in self.params:  # kept allocated between steps, as the memory model assumes
+            if grad_buffer(p) is None:
+                p.grad = torch.zeros_like(p)
         self.lr_schedule = run.lr_schedule_data
+        self.tied = shared_weight(stage)  # this stage's copy of a tied embedding, or None
         self.counted = self._counted()
         self.grad_norms: list[Tensor] = []  # per timed step, on the device: no sync per step
         self.steps_skipped = 0
+
+    def grad_buffers(self) -> list[Tensor]:
+        """Each parameter's gradient buffer, in ``self.params`` order: its fp32
+        ``main_grad`` (fp16) or ``.grad``. Allocated once and kept: what the all-reduces
+        sum and :meth:`step` zeroes."""
+        buffers = [grad_buffer(p) for p in self.params]
+        assert all(b is not None for b in buffers)  # allocated in __init__
+        return [b for b in buffers if b is not None]
+
+    def tied_grad_buffer(self) -> Tensor | None:
+        """The gradient buffer of this stage's copy of the tied embedding (None when no
+        other stage holds a copy): what the tied all-reduce sums."""
+        return None if self.tied is None else grad_buffer(self.tied)
 
     def _counted(self) -> list[bool]:
         """Whether this rank adds each of its parameters' gradient (in ``self.params``
@@ -56,7 +77,7 @@ class Update:
         hold the same summed gradient after the tied all-reduce: the first stage counts it.
         """
         g = self.groups
-        tied = shared_weight(self.stage) if self.stage.is_last else None
+        tied = self.tied if self.stage.is_last else None
         counted = []
         for name, p in self.stage.named_parameters():  # the order of self.params
             mine = g.replica == 0 and (g.op_rank == 0 or shard_spec(name) is not None)
@@ -78,12 +99,11 @@ class Update:
         self.optimizer.set_lr(self.lr_schedule.lr_at(index))
         if not self.optimizer.step(skip):
             self.steps_skipped += 1
-        for p in self.params:
-            assert p.grad is not None
-            p.grad.zero_()
+        for g in self.grad_buffers():
+            g.zero_()
 
     def _clip(self) -> Tensor:
-        """Scale the gradients the step will use (fp16: the unscaled fp32 master grads) by
+        """Scale the gradients the step will use (fp16: the unscaled fp32 main grads) by
         ``min(1, grad_clip / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does,
         where ``norm`` is the whole model's gradient norm; return that norm (0-d)."""
         grads = self.optimizer.grads()

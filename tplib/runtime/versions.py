@@ -13,7 +13,9 @@ objects or views of their storage, still reads the weights the forward read.
 
 Moving storage goes through ``.data``, which leaves the objects (and the version
 counters autograd checks) untouched. Every version's ``.grad`` is the home gradient, so
-all versions accumulate into the one buffer the all-reduce and the optimizer read.
+all versions accumulate into the one buffer the all-reduce and the optimizer read. (fp16,
+whose gradients accumulate in each home parameter's ``main_grad`` instead, is refused
+with these schedules by :class:`~tplib.runtime.RunConfig`: a skipped step needs a flush.)
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from tplib.model import build_model
 from tplib.plan import Unit
 from tplib.precision import autocast, param_dtype
 from tplib.runtime.config import Hooks, RunConfig
-from tplib.runtime.groups import RankGroups, shared_weight
+from tplib.runtime.groups import RankGroups
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
 from tplib.runtime.rank import TRACE_COLUMNS, Progress, RankResult
 from tplib.runtime.update import Update
@@ -205,17 +205,16 @@ class Worker:
         replicas."""
         if not self.asynchronous:  # in flight, a send may wait on a later receive
             self._wait_sends(it.pending)
-        shared = shared_weight(self.stage)
+        # Gradient buffers: .grad, or fp16's fp32 main_grad (tplib.runtime.update).
+        shared = self.update.tied_grad_buffer()
         if shared is not None and self.groups.tied is not None:
             # The first stage's embedding and the last stage's head are one parameter of
             # the model: each copy gets the sum of both gradients.
-            assert shared.grad is not None  # allocated at start, kept between steps
-            self.groups.all_reduce(shared.grad, self.groups.tied)
+            self.groups.all_reduce(shared, self.groups.tied)
         if self.groups.data is not None:
             # The loss is already scaled by the global batch: summing gives the mean's
             # gradient.
-            grads = [p.grad for p in self.params if p.grad is not None]
-            self.groups.all_reduce_flat(grads, self.groups.data)
+            self.groups.all_reduce_flat(self.update.grad_buffers(), self.groups.data)
 
     def step(self, action: Action, it: _Iteration) -> None:
         """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`); under an
@@ -223,10 +222,10 @@ class Worker:
         index = self.updates  # one update per iteration, in order
         if self.hooks.collect_grads and index == 0:
             scale = self.update.optimizer.loss_scale
+            names = [n for n, _ in self.stage.named_parameters()]  # Update.params' order
             self.result.grads = {
-                n: (p.grad.float() / scale).cpu()
-                for n, p in self.stage.named_parameters()
-                if p.grad is not None
+                n: (g.float() / scale).cpu()
+                for n, g in zip(names, self.update.grad_buffers(), strict=True)
             }
         if self.versions is None:
             self.update.step(index)
