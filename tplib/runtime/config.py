@@ -27,6 +27,7 @@ from tplib.config import (
 from tplib.lr import LR_SCHEDULES, LRSchedule
 from tplib.plan import Plan
 from tplib.schedule import ASYNC_SCHEDULES, Schedule, make_schedule
+from tplib.schedule.nccl import check_nccl
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
@@ -160,6 +161,8 @@ class RunConfig:
         )
         if schedule.asynchronous:
             self._check_asynchronous(cfg)
+        if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
+            check_nccl(schedule)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
 
     def _check_asynchronous(self, cfg: GPTConfig) -> None:

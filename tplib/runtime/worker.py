@@ -15,10 +15,15 @@ The step is GPT-3's recipe (:mod:`tplib.runtime.update`); who talks to whom, and
 :mod:`tplib.runtime.groups`. Under an asynchronous schedule each forward and backward
 first installs the weight version it names (:mod:`tplib.runtime.versions`).
 
-Communication semantics are the ones the schedule validator checks: a send is posted
-asynchronously and completed before the all-reduce; a receive blocks, with a timeout,
-until its tensor arrives. Every action is timed into a trace, and where the rank is goes
-to a :class:`~tplib.runtime.rank.Progress` that the pool reports if the rank dies.
+Messages are posted as :func:`tplib.schedule.nccl.posting_plan` says: each group of
+sends and receives to one peer as one ``batch_isend_irecv``, in an order both ends of a
+link share, so that NCCL, which runs a pair's messages in order and completes a send only
+once its receive is posted, cannot deadlock (1F1B's crossing send and receive go out
+together). A send is completed before the all-reduce; a receive blocks at its own place
+in the list, with a timeout, until its tensor arrives. Every action is timed into a trace
+(on a GPU by CUDA events, read once the iteration is over, so that timing adds no
+synchronisation), and where the rank is goes to a :class:`~tplib.runtime.rank.Progress`
+that the pool reports if the rank dies.
 
 Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
 allocator's peak, or on CPU what autograd saves and the executor holds, plus the
@@ -49,7 +54,8 @@ from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, rese
 from tplib.runtime.rank import TRACE_COLUMNS, Progress, RankResult
 from tplib.runtime.update import Update
 from tplib.runtime.versions import WeightVersions
-from tplib.schedule import Action, Kind
+from tplib.schedule import RECEIVES, Action, Kind
+from tplib.schedule.nccl import PostGroup, posting_plan
 from tplib.slicing import SliceExecutor, unit_rows
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]  # results: rank.py
@@ -61,16 +67,57 @@ class _Iteration:
     of an asynchronous schedule) hand each other."""
 
     index: int  # the first iteration the pass runs
-    tokens: Tensor  # this replica's sequences, iteration after iteration
+    tokens: Tensor  # this replica's sequences, iteration after iteration, on the device
     targets: Tensor
     loss: Tensor  # per iteration, the last stage's summed scaled loss, on the device
     # Keyed by the consuming compute action's (kind, b, t), whatever its weight version.
     received: dict[tuple[Kind, int, int], Tensor] = field(default_factory=dict)
     outputs: dict[Unit, Tensor] = field(default_factory=dict)  # awaiting their send
     pending: list[tuple[dist.Work, Tensor, Action]] = field(default_factory=list)
+    # Receives posted ahead of their place: the buffer and, on the carrying op rank, the
+    # message's Work.
+    posted: dict[Action, tuple[Tensor, dist.Work | None]] = field(default_factory=dict)
 
 
 Handler = Callable[["Worker", Action, _Iteration], None]
+_Mark = float | torch.cuda.Event
+
+
+class _Clock:
+    """When a pass's actions start and end, in seconds from its start: the wall clock on
+    CPU; on a GPU, CUDA events on the current stream, read once the pass is over. A
+    device-wide synchronisation per action would expose every kernel launch's latency,
+    which costs short token slices most."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.base: torch.cuda.Event | None = None
+        if self.cuda:
+            self.base = torch.cuda.Event(enable_timing=True)
+            self.base.record()
+
+    def mark(self) -> _Mark:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finish(self) -> None:
+        """End the pass: wait for the GPU's work, so that the pass's time is its own."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def elapsed(self) -> float:
+        """Wall seconds since the pass started."""
+        return time.perf_counter() - self.t0
+
+    def seconds(self, mark: _Mark) -> float:
+        if isinstance(mark, float):
+            return mark
+        assert self.base is not None
+        return self.base.elapsed_time(mark) / 1e3
 
 
 class Worker:
@@ -114,6 +161,10 @@ class Worker:
             split_backward=self.schedule.split_backward,
         )
         self.meter.exclude(self.params)
+        # Where this stage posts its messages: list index -> the groups posted there.
+        self.posting: dict[int, list[PostGroup]] = {}
+        for group in posting_plan(self.schedule)[self.stage_id]:
+            self.posting.setdefault(group.at, []).append(group)
         self.versions: WeightVersions | None = None
         self.updates = 0  # optimizer steps made so far
         self.position = 0  # the index of the action running in the stage's list
@@ -127,17 +178,53 @@ class Worker:
 
     # ---- the actions ----------------------------------------------------------------
 
-    def receive(self, action: Action, it: _Iteration) -> None:
-        """RA / RG: wait (with the run's timeout) for a unit's activation or gradient on
-        the carrying op rank, then share it with the stage's #Op group."""
-        b, t = action.b, action.t
-        shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.run.cfg.hidden)
+    def post(self, groups: list[PostGroup], it: _Iteration) -> None:
+        """Post the messages the plan puts here: each group, the sends and receives this
+        op rank carries to one peer, as one ``batch_isend_irecv``."""
         wire = "cpu" if self.groups.staged else self.device
-        buf = torch.empty(shape, dtype=self.wire_dtype, device=wire)
+        for group in groups:
+            ops: list[dist.P2POp] = []
+            carried: list[tuple[Action, Tensor]] = []  # each op's action and tensor
+            for action in group.actions:
+                carrier, peer = self.groups.wire(action)
+                if action.kind in RECEIVES:
+                    b, t = action.b, action.t
+                    tokens = self.plan.token_slices[b][t]
+                    shape = (self.plan.batch_slices[b], tokens, self.run.cfg.hidden)
+                    tensor = torch.empty(shape, dtype=self.wire_dtype, device=wire)
+                    it.posted[action] = (tensor, None)
+                    if self.op_rank == carrier:
+                        ops.append(dist.P2POp(dist.irecv, tensor, peer))
+                        carried.append((action, tensor))
+                    continue
+                tensor = it.outputs.pop(action.unit)
+                if self.op_rank != carrier:
+                    continue  # an op-rank peer sends the (identical) tensor
+                tensor = tensor.to(self.wire_dtype).contiguous()
+                if self.groups.staged:
+                    tensor = tensor.cpu()
+                ops.append(dist.P2POp(dist.isend, tensor, peer))
+                carried.append((action, tensor))
+            if not ops:
+                continue
+            works = dist.batch_isend_irecv(ops)
+            # Drop sends already delivered: their buffers need not live until AR.
+            it.pending[:] = [p for p in it.pending if not p[0].is_completed()]
+            for (action, tensor), work in zip(carried, works, strict=True):
+                if action.kind in RECEIVES:
+                    it.posted[action] = (tensor, work)
+                else:
+                    it.pending.append((work, tensor, action))
+
+    def receive(self, action: Action, it: _Iteration) -> None:
+        """RA / RG: wait (with the run's timeout) for a unit's activation or gradient,
+        posted where the posting plan says, on the carrying op rank, then share it with
+        the stage's #Op group."""
+        b, t = action.b, action.t
+        buf, work = it.posted.pop(action)
         carrier, peer = self.groups.wire(action)
         if self.op_rank == carrier:
-            work = dist.irecv(buf, peer)
-            assert work is not None  # point-to-point ops always return their Work
+            assert work is not None  # posted in the group the plan puts it in
             activation = action.kind is Kind.RA
             self.groups.wait(
                 work,
@@ -157,8 +244,8 @@ class Worker:
             self.versions.use(action.v)
         x = it.received.pop((action.kind, action.b, action.t), None)
         if x is None:
-            x = unit_rows(self.plan, unit, it.tokens).to(self.device)  # token ids
-        y = unit_rows(self.plan, unit, it.targets).to(self.device) if self.stage.is_last else None
+            x = unit_rows(self.plan, unit, it.tokens)  # token ids
+        y = unit_rows(self.plan, unit, it.targets) if self.stage.is_last else None
         if self.asynchronous and self.counting:  # allocated as the unit enters
             self.meter.exclude(context_tensors([self.executor.context(unit.b)]))
         out = self.executor.forward(unit, x, y)
@@ -184,20 +271,9 @@ class Worker:
         self.executor.weight_grad(action.b, action.t)
 
     def send(self, action: Action, it: _Iteration) -> None:
-        """SA / SG: post the unit's output or input gradient from the carrying op rank;
-        completed before AR."""
-        tensor = it.outputs.pop(action.unit)
-        carrier, peer = self.groups.wire(action)
-        if self.op_rank != carrier:
-            return  # an op-rank peer sends the (identical) tensor
-        tensor = tensor.to(self.wire_dtype).contiguous()
-        if self.groups.staged:
-            tensor = tensor.cpu()
-        # Drop sends already delivered: their buffers need not live until AR.
-        it.pending[:] = [p for p in it.pending if not p[0].is_completed()]
-        work = dist.isend(tensor, peer)
-        assert work is not None  # point-to-point ops always return their Work
-        it.pending.append((work, tensor, action))
+        """SA / SG: nothing left to do here: the unit's output or input gradient was
+        posted with its group (:meth:`post`, at or before this place); it is completed
+        before AR."""
 
     def allreduce(self, action: Action, it: _Iteration) -> None:
         """AR: complete the sends (a synchronous schedule's), then sum the gradients of the
@@ -259,6 +335,13 @@ class Worker:
             self.groups.wait(work, f"{action} to rank {self.groups.wire(action)[1]} to complete")
         pending.clear()
 
+    def _on_device(self, rows: Tensor) -> Tensor:
+        """A pass's token ids on the device in one copy (a GPU's from pinned memory, not
+        one pageable copy and sync per unit)."""
+        if self.device.type != "cuda":
+            return rows
+        return rows.pin_memory().to(self.device, non_blocking=True)
+
     def iteration(self, index: int, record: bool) -> None:
         """One pass over the stage's actions: iteration ``index`` of a synchronous
         schedule, or (``index`` 0) every iteration of an asynchronous one."""
@@ -270,7 +353,7 @@ class Worker:
             run.cfg, run.data, run.batch, run.seq_len, range(index, index + n), run.data_seed, mine
         )
         loss = torch.zeros(n, dtype=torch.float32, device=self.device)
-        it = _Iteration(index, tokens, targets, loss)
+        it = _Iteration(index, self._on_device(tokens), self._on_device(targets), loss)
         self.executor.grad_scale = self.update.optimizer.loss_scale
         if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
             self.executor.dropout = DropoutKey.for_iteration(
@@ -278,11 +361,11 @@ class Worker:
             )
         self.progress.set(self.rank, index, Progress.BARRIER)
         dist.barrier()
-        t0 = time.perf_counter()
+        clock = _Clock(self.device)
         self._maybe_fault()
         # One autocast region per pass: its cast weights are cached once, not per unit.
         meter = self.meter if self.counting else nullcontext()
-        updates_s: list[float] = []  # when each update ended (asynchronous: per iteration)
+        rows: list[tuple[int, Action, _Mark, _Mark]] = []  # (iteration, action, start, end)
         with autocast(run.precision, self.device.type), meter:
             for position, action in enumerate(self.schedule.actions[self.stage_id]):
                 self.position = position
@@ -293,38 +376,47 @@ class Worker:
                         f"the runtime has no handler for {action.kind} actions ({action} on "
                         f"stage {self.stage_id}): add a method and a Worker.DISPATCH entry"
                     )
-                start = time.perf_counter()
+                start = clock.mark()
+                groups = self.posting.get(position)
+                if groups:
+                    self.post(groups, it)
                 handler(self, action, it)
                 if self.versions is not None:
                     dropped = self.versions.done(self.position)
                     if self.counting:
                         self.meter.include(dropped)
-                    if action.kind is Kind.OPT:
-                        updates_s.append(time.perf_counter() - t0)
-                if record:
-                    self._trace(index, action, start - t0, t0)
+                if record or (self.asynchronous and action.kind is Kind.OPT):
+                    rows.append((self._iteration_of(index, action), action, start, clock.mark()))
             self.progress.set(self.rank, index + n - 1, Progress.DRAIN)
             self._wait_sends(it.pending)
         if self.versions is not None:
             self.versions.restore()
+        clock.finish()
         dist.barrier()
+        elapsed = clock.elapsed()  # the slowest rank's pass: barrier to barrier
         if not record:
             return
+        for i, action, a, b in rows:
+            self._trace(i, action, clock.seconds(a), clock.seconds(b))
         if self.asynchronous:
             # Steady state: the time between consecutive updates of the timed iterations.
-            gaps = [b - a for a, b in itertools.pairwise([0.0, *updates_s])]
+            updates = [clock.seconds(b) for _, action, _, b in rows if action.kind is Kind.OPT]
+            gaps = [b - a for a, b in itertools.pairwise([0.0, *updates])]
             self.result.iteration_s += gaps[run.warmup :]
         else:
-            self.result.iteration_s.append(time.perf_counter() - t0)
+            self.result.iteration_s.append(elapsed)
         if self.stage.is_last:
             self.result.losses += [float(x) for x in it.loss[run.warmup if n > 1 else 0 :]]
 
-    def _trace(self, index: int, action: Action, start: float, t0: float) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.asynchronous:  # the unit's iteration; an update's (OPT has just counted)
-            done = self.updates - (action.kind is Kind.OPT)
-            index = self.schedule.iteration_of(action.b) if action.b >= 0 else done
+    def _iteration_of(self, index: int, action: Action) -> int:
+        """The iteration a traced action belongs to: the pass's, or under an asynchronous
+        schedule its unit's (an update's: the updates made before it)."""
+        if not self.asynchronous:
+            return index
+        done = self.updates - (action.kind is Kind.OPT)  # OPT has just counted itself
+        return self.schedule.iteration_of(action.b) if action.b >= 0 else done
+
+    def _trace(self, index: int, action: Action, start: float, end: float) -> None:
         self.result.trace.append(
             (
                 self.rank,
@@ -337,7 +429,7 @@ class Worker:
                 action.t,
                 action.v,
                 start,
-                time.perf_counter() - t0,
+                end,
             )
         )
 

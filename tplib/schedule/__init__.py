@@ -7,6 +7,7 @@ module            what it holds
 ``generators``    ``gpipe``, ``terapipe``, ``1f1b`` and the passes that complete them
 ``asynchronous``  ``pipedream``, ``2bw``: many iterations, no flush, weight versions
 ``engine``        the event engine: when each action runs, given durations
+``nccl``          NCCL's rendezvous messages: the runtime's posting plan, its replay
 ``validate``      :func:`validate` and :func:`replay`
 ``grid``          :func:`format_grid`, the stage x step drawing errors print
 ================  ===================================================================

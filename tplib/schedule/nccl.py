@@ -1,0 +1,353 @@
+"""Point-to-point messages on NCCL: the order tplib posts them in, and a replay that
+shows whether a schedule can deadlock there.
+
+NCCL runs the messages between two ranks in the order they were posted, on one stream,
+and a send completes only when its receive is posted (rendezvous). gloo buffers sends,
+so a schedule that runs on CPU can hang on GPUs: under ``1f1b`` stage k posts ``SA b1``
+then ``RG b0`` while stage k+1 posts ``SG b0`` then ``RA b1``; the heads of the two
+streams are ``SA b1`` and ``SG b0``, and neither can match. The validator's engine
+(:mod:`tplib.schedule.engine`) buffers sends and does not see it.
+
+:func:`posting_plan` says when each stage posts each message:
+
+- ``"naive"``: each message alone, at its place in the stage's list (what a runtime that
+  walks the list does);
+- ``"ordered"``: what tplib's runtime does. For each pair of neighbouring stages, the
+  messages between them are put in one order both stages follow: a linear extension of
+  what each stage's list forces (a stage posts its sends in its list's order, each
+  after every receive it waits on before it), ties broken by when the buffered replay
+  sends them. A stage posts its sends where its list has them; it posts each receive at
+  its own place or, if its successor in that order is one of the stage's own sends
+  coming earlier in the list, together with that send. Messages posted at one place, or
+  at places with only messages between them, go out as one ``batch_isend_irecv`` per
+  peer: the crossing pair of 1F1B is posted together on both sides. Both stages then
+  post in the same order, so the heads of their streams always match.
+
+:func:`run_nccl` replays a schedule under that model: each stage walks its list,
+posting groups where the plan says; a receive waits until its message has completed,
+sends never hold the stage up (the stream does); a synchronous schedule's ``AR`` waits
+for the stage's sends. A group heads its pair's stream until all its messages are done,
+and a message completes once both stages' stream heads hold it. :func:`check_nccl`
+raises :class:`~tplib.schedule.ScheduleError` with the grid when a stage is stuck.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from tplib.schedule.actions import COMMUNICATION, SENDS, Action, Kind, Schedule
+from tplib.schedule.engine import Link, TimedAction, link_of, run
+from tplib.schedule.grid import schedule_error, unit_cost
+
+__all__ = [
+    "POSTINGS",
+    "Message",
+    "PostGroup",
+    "Posting",
+    "check_nccl",
+    "peer_of",
+    "posting_plan",
+    "run_nccl",
+]
+
+Posting = Literal["naive", "ordered"]
+POSTINGS: tuple[Posting, ...] = get_args(Posting)
+Message = tuple[Link, int]  # a link and the message's index on it (FIFO)
+
+
+def peer_of(a: Action) -> int:
+    """The stage at the other end of a send's or receive's link."""
+    _, src, dst = link_of(a)
+    return dst if a.kind in SENDS else src
+
+
+@dataclass(frozen=True)
+class PostGroup:
+    """Messages one stage posts at once to one peer, before running its action ``at``
+    (one ``batch_isend_irecv``); ``actions`` are the stage's sends and receives."""
+
+    at: int
+    peer: int
+    actions: tuple[Action, ...]
+
+
+def _messages(schedule: Schedule) -> list[list[tuple[int, Message]]]:
+    """Per stage, (index in its list, message) of each send and receive, in list order."""
+    count: dict[tuple[str, Link], int] = defaultdict(int)
+    out: list[list[tuple[int, Message]]] = []
+    for acts in schedule.actions:
+        mine = []
+        for i, a in enumerate(acts):
+            if a.kind in COMMUNICATION:
+                link = link_of(a)
+                side = "send" if a.kind in SENDS else "receive"
+                mine.append((i, (link, count[side, link])))
+                count[side, link] += 1
+        out.append(mine)
+    return out
+
+
+def _consensus(
+    schedule: Schedule,
+    k: int,
+    messages: list[list[tuple[int, Message]]],
+    issued: dict[Message, float],
+) -> list[Message]:
+    """The order both stages k and k+1 post their messages in (see the module)."""
+    before: dict[Message, set[Message]] = defaultdict(set)
+    nodes: set[Message] = set()
+    for side, peer in ((k, k + 1), (k + 1, k)):
+        acts = schedule.actions[side]
+        seen: list[Message] = []
+        for i, m in messages[side]:
+            if peer_of(acts[i]) != peer:
+                continue
+            nodes.add(m)
+            if acts[i].kind in SENDS:  # after everything the stage posted or waited on
+                before[m].update(seen)
+            elif seen:  # receives in FIFO order
+                before[m].update(x for x in seen if x[0] == m[0])
+            seen.append(m)
+    waiting = {m: len(before[m]) for m in nodes}
+    after: dict[Message, list[Message]] = defaultdict(list)
+    for m, deps in before.items():
+        for d in deps:
+            after[d].append(m)
+    ready = [(issued.get(m, 0.0), m[0], m[1], m) for m in nodes if waiting[m] == 0]
+    heapq.heapify(ready)
+    order: list[Message] = []
+    while ready:
+        *_, m = heapq.heappop(ready)
+        order.append(m)
+        for n in after[m]:
+            waiting[n] -= 1
+            if waiting[n] == 0:
+                heapq.heappush(ready, (issued.get(n, 0.0), n[0], n[1], n))
+    if len(order) != len(nodes):
+        stuck = sorted(set(nodes) - set(order))
+        raise schedule_error(
+            schedule,
+            [],
+            f"stages {k} and {k + 1} wait on each other's messages before sending their own "
+            f"({len(stuck)} messages, e.g. {stuck[0]}): no order of posting can run them",
+        )
+    return order
+
+
+def posting_plan(
+    schedule: Schedule, posting: Posting = "ordered"
+) -> tuple[tuple[PostGroup, ...], ...]:
+    """Per stage, the groups of messages it posts and where (see the module); the
+    schedule must be valid."""
+    if posting not in POSTINGS:
+        raise ValueError(f"posting={posting!r}: choose one of {list(POSTINGS)}")
+    acts = schedule.actions
+    messages = _messages(schedule)
+    at: list[dict[int, int]] = [{} for _ in acts]  # stage -> action index -> post index
+    if posting == "naive":
+        for k, mine in enumerate(messages):
+            at[k] = {i: i for i, _ in mine}
+    else:
+        timed, done = run(schedule, unit_cost)
+        issued: dict[Message, float] = {}  # a send that never ran (a deadlock) goes last
+        for k, mine in enumerate(messages):
+            for i, m in mine:
+                if acts[k][i].kind in SENDS:
+                    issued[m] = timed[k][i].start if i < done[k] else math.inf
+        for k in range(schedule.n_stages - 1):
+            order = _consensus(schedule, k, messages, issued)
+            for side in (k, k + 1):
+                index = {m: i for i, m in messages[side]}
+                held: list[int] = []  # receives waiting for the stage's next send
+                for m in order:
+                    i = index[m]
+                    if acts[side][i].kind in SENDS:
+                        for r in held:
+                            at[side][r] = min(r, i)
+                        held = []
+                        at[side][i] = i
+                    else:
+                        held.append(i)
+                for r in held:
+                    at[side][r] = r
+    merge = posting == "ordered"
+    return tuple(_groups(acts[k], at[k], merge) for k in range(schedule.n_stages))
+
+
+def _groups(acts: tuple[Action, ...], at: dict[int, int], merge: bool) -> tuple[PostGroup, ...]:
+    """One group per peer and posting place; with ``merge``, per run of places with only
+    messages between them."""
+    start: dict[int, int] = {}  # posting place -> the place its group is posted at
+    previous = -1
+    for place in sorted(set(at.values())):
+        between = range(previous + 1, place)
+        if not merge or previous < 0 or any(acts[j].kind not in COMMUNICATION for j in between):
+            first = place
+        start[place] = first
+        previous = place
+    members: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, place in at.items():
+        members[start[place], peer_of(acts[i])].append(i)
+    return tuple(
+        PostGroup(place, peer, tuple(acts[i] for i in sorted(indices)))
+        for (place, peer), indices in sorted(members.items())
+    )
+
+
+@dataclass
+class _Posted:
+    """A group on one side of a pair's stream: its messages, when it was posted, and
+    when each of them completed."""
+
+    messages: frozenset[Message]
+    posted: float
+    ends: dict[Message, float] = field(default_factory=dict)
+
+
+Stream = tuple[int, int]  # (stage, peer): one side of a pair's stream
+
+
+class _Streams:
+    """Every pair's stream, one queue of posted groups per side (see the module)."""
+
+    def __init__(self, transfer: dict[Message, float]) -> None:
+        self.transfer = transfer
+        self.queues: dict[Stream, deque[_Posted]] = defaultdict(deque)
+        self.free: dict[Stream, float] = defaultdict(float)  # when the head may start
+        self.done: dict[Message, float] = {}  # when each completed message completed
+
+    def post(self, stream: Stream, messages: frozenset[Message], now: float) -> None:
+        self.queues[stream].append(_Posted(messages, now))
+
+    def advance(self, k: int) -> bool:
+        """Match the heads of stages k and k+1's streams, and retire complete groups."""
+        mine, theirs = (k, k + 1), (k + 1, k)
+        progress = False
+        while self.queues[mine] and self.queues[theirs]:
+            a, b = self.queues[mine][0], self.queues[theirs][0]
+            start = max(a.posted, self.free[mine], b.posted, self.free[theirs])
+            for m in (a.messages & b.messages) - a.ends.keys():
+                a.ends[m] = b.ends[m] = self.done[m] = start + self.transfer[m]
+                progress = True
+            retired = False
+            for stream, head in ((mine, a), (theirs, b)):
+                if len(head.ends) == len(head.messages):
+                    self.free[stream] = max(self.free[stream], *head.ends.values())
+                    self.queues[stream].popleft()
+                    retired = progress = True
+            if not retired:
+                break
+        return progress
+
+
+def run_nccl(
+    schedule: Schedule, duration: Callable[[Action], float], posting: Posting = "ordered"
+) -> tuple[list[list[TimedAction]], list[int], str]:
+    """Replay ``schedule`` under NCCL's rendezvous messages, posted as ``posting`` says
+    (see the module): the timed actions per stage, each stage's count of actions run, and
+    why stages are stuck ("" when none is)."""
+    acts, n = schedule.actions, schedule.n_stages
+    key = [dict(mine) for mine in _messages(schedule)]  # stage -> action index -> message
+    places: list[dict[int, list[tuple[int, frozenset[Message]]]]] = [{} for _ in range(n)]
+    for k, groups in enumerate(posting_plan(schedule, posting)):
+        index = {a: i for i, a in enumerate(acts[k])}
+        for g in groups:
+            messages = frozenset(key[k][index[a]] for a in g.actions)
+            places[k].setdefault(g.at, []).append((g.peer, messages))
+    transfer = {
+        key[k][i]: duration(a) for k in range(n) for i, a in enumerate(acts[k]) if a.kind in SENDS
+    }
+    streams = _Streams(transfer)
+    pc, clock = [0] * n, [0.0] * n
+    posted = [-1] * n  # the last place each stage posted at
+    sent: list[list[Message]] = [[] for _ in range(n)]
+    timed: list[list[TimedAction]] = [[] for _ in range(n)]
+    progress = True
+    while progress:
+        progress = False
+        for k in range(n):
+            while pc[k] < len(acts[k]):
+                i, a = pc[k], acts[k][pc[k]]
+                if posted[k] < i:
+                    for peer, messages in places[k].get(i, ()):
+                        streams.post((k, peer), messages, clock[k])
+                    posted[k] = i
+                    progress = True
+                start = clock[k]
+                if a.kind in SENDS:  # the stream, not the stage, waits for its receive
+                    sent[k].append(key[k][i])
+                    end = start
+                elif a.kind in COMMUNICATION:
+                    m = key[k][i]
+                    if m not in streams.done:
+                        break
+                    end = max(start + duration(a), streams.done[m])
+                elif a.kind is Kind.AR and not schedule.asynchronous:
+                    if any(m not in streams.done for m in sent[k]):
+                        break  # the runtime completes a synchronous schedule's sends here
+                    end = max([start + duration(a), *(streams.done[m] for m in sent[k])])
+                else:
+                    end = start + duration(a)
+                clock[k] = end
+                timed[k].append(TimedAction(k, a, start, end))
+                pc[k] += 1
+                progress = True
+        for k in range(n - 1):
+            progress |= streams.advance(k)
+    # A send ends when its message does, known only now.
+    for k in range(n):
+        timed[k] = [
+            TimedAction(k, t.action, t.start, streams.done.get(key[k][i], t.end))
+            if t.action.kind in SENDS
+            else t
+            for i, t in enumerate(timed[k])
+        ]
+    unsent = [[m for m in sent[k] if m not in streams.done] for k in range(n)]
+    return timed, pc, _stuck(schedule, pc, unsent, streams, key)
+
+
+def _stuck(
+    schedule: Schedule,
+    pc: list[int],
+    unsent: list[list[Message]],
+    streams: _Streams,
+    key: list[dict[int, Message]],
+) -> str:
+    """Why the stages that did not finish are stuck: where each waits, and the heads of
+    its streams."""
+    lines = []
+    for k, acts in enumerate(schedule.actions):
+        if pc[k] == len(acts) and not unsent[k]:
+            continue
+        names = {m: str(acts[i]) for i, m in key[k].items()}  # as this stage posted them
+        waits = f"at {acts[pc[k]]}" if pc[k] < len(acts) else "for its sends"
+        heads = [
+            f"its stream to stage {peer} is held by "
+            + ", ".join(sorted(names[m] for m in q[0].messages if m not in q[0].ends))
+            for (stage, peer), q in sorted(streams.queues.items())
+            if stage == k and q
+        ]
+        lines.append(f"stage {k} waits {waits}" + (f" ({'; '.join(heads)})" if heads else ""))
+    if not lines:
+        return ""
+    return (
+        "deadlock on NCCL: "
+        + "; ".join(lines)
+        + ". NCCL runs the messages between two ranks in the order they were posted, and a "
+        "send waits for its receive: the stages post the messages between them in orders "
+        "whose heads never match"
+    )
+
+
+def check_nccl(schedule: Schedule, posting: Posting = "ordered") -> None:
+    """Raise :class:`~tplib.schedule.ScheduleError` (with the grid) if ``schedule``,
+    posted as ``posting`` says, deadlocks under NCCL's rendezvous messages."""
+    _, pc, why = run_nccl(schedule, unit_cost, posting)
+    if why:
+        stuck = [(k, i) for k, i in enumerate(pc) if i < len(schedule.actions[k])]
+        raise schedule_error(schedule, stuck, why)
