@@ -1,14 +1,19 @@
 """Local process pools and torchrun: failures and hangs fail fast, with the traceback or
 with what was awaited; a worker killed mid-iteration fails the run at once, naming what it
-was doing, and leaves no process and no result file behind; pool workers do not outlive
-their parent; the torchrun entry point writes its results atomically."""
+was doing (under torchrun, from the progress each rank publishes to the agents' store),
+and leaves no process and no result file behind; pool workers do not outlive their
+parent; the torchrun entry point writes its results atomically. The backend: chosen by
+the rule or asked for, refused before any process starts when it cannot work, and no
+rank makes a GPU current unless it uses CUDA."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -25,6 +30,9 @@ import torch
 
 import tplib.runtime.pool
 from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save_run_config
+from tplib.runtime.backend import BackendError
+from tplib.runtime.heartbeat import Beat
+from tplib.runtime.rank import Progress
 
 # psutil (which ipykernel requires) ships no type information: its objects are Any here.
 psutil: Any = importlib.import_module("psutil")
@@ -74,6 +82,7 @@ def test_torchrun_entry_point_writes_results(tmp_path: Path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend gloo: 2 ranks on CPU; NCCL moves GPU tensors only\n" in proc.stdout
     saved = torch.load(out, weights_only=False)
     assert [r.stage for r in saved["ranks"]] == [0, 1]
     assert len(saved["ranks"][1].losses) == 2
@@ -88,6 +97,99 @@ def test_a_pool_is_ready_once_every_process_joined_the_group() -> None:
         pool.wait_ready()  # idempotent
         result = pool.run(RunConfig(n_stages=2, batch=1, seq_len=16, timeout_s=60))
         assert len(result.losses) == 1
+
+
+# ---- backend and device: a rank touches CUDA only when it will use it ----------------------
+
+
+class _Exited(Exception):
+    """Raised by the stand-in for os._exit: the pool worker left its loop."""
+
+
+@pytest.mark.parametrize(
+    ("backend", "devices", "made_current"),
+    [
+        # A gloo pool: nothing before a CUDA run, then rank 4 % 3 GPUs, once.
+        ("gloo", ["cpu", "cpu"], [[], []]),
+        ("gloo", ["cpu", "cuda", "cuda", "cpu"], [[], [1], [1], [1]]),
+        # NCCL binds its group to the GPU as the pool starts.
+        ("nccl", ["cuda", "cuda"], [[1], [1]]),
+    ],
+)
+def test_a_pool_worker_makes_a_gpu_current_only_for_cuda(
+    monkeypatch: pytest.MonkeyPatch, backend: str, devices: list[str], made_current: list[list[int]]
+) -> None:
+    """The worker itself, in this process: its process group, its runs and its exit
+    replaced, rank 4 of a pool on a machine with 3 GPUs. A CPU run on a GPU node used to
+    make GPU 0 current (a CUDA context and its memory on every rank)."""
+    current: list[int] = []
+    seen: list[list[int]] = []  # the GPUs made current by the time each run started
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: None)
+
+    def run_worker(run: RunConfig, rank: int, hooks: Hooks, progress: Any) -> str:
+        seen.append(list(current))
+        return run.device
+
+    def exit_(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(tplib.runtime.pool, "run_worker", run_worker)
+    monkeypatch.setattr(os, "_exit", exit_)
+    jobs: queue.Queue[Any] = queue.Queue()
+    results: queue.Queue[Any] = queue.Queue()
+    for device in devices:
+        jobs.put((RunConfig(n_stages=2, device=device), Hooks()))
+    jobs.put(None)
+    with pytest.raises(_Exited):
+        tplib.runtime.pool._pool_worker(4, 8, 0, backend, 60.0, jobs, results, Progress.local(8))
+    assert seen == made_current
+    replies = [results.get_nowait() for _ in range(len(devices) + 1)]
+    assert replies == [("ready", 4, None)] + [("ok", 4, d) for d in devices]
+
+
+def test_nccl_is_refused_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(BackendError, match=r"backend 'nccl' for a run on device 'cpu'"):
+        launch(RunConfig(n_stages=2, batch=2, seq_len=16), backend="nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        BackendError, match=r"backend 'nccl' with ranks 0, 1 share GPU cuda:0: NCCL refuses"
+    ):
+        LocalPool(2, backend="nccl")
+    with pytest.raises(BackendError, match=r"backend='mpi': choose 'nccl' or 'gloo'"):
+        LocalPool(2, backend="mpi")
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_launch_takes_the_backend_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What launch hands the pool: its own choice, or the one asked for (the pool here
+    records it and runs nothing)."""
+    backends: list[str] = []
+
+    class Recorded:
+        def __init__(self, world_size: int, *, backend: str, timeout_s: float) -> None:
+            backends.append(backend)
+
+        def __enter__(self) -> Recorded:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def run(self, run: RunConfig, hooks: Hooks) -> None:
+            pass
+
+    monkeypatch.setattr(tplib.runtime.pool, "LocalPool", Recorded)
+    cuda = RunConfig(n_stages=2, batch=2, seq_len=16, device="cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launch(cuda)
+    launch(cuda, backend="gloo")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launch(cuda)
+    assert backends == ["nccl", "gloo", "gloo"]
 
 
 # ---- the torchrun entry point refuses a launch that is not the run's layout ---------------
@@ -113,13 +215,13 @@ def no_process_group(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _torchrun_main(
-    config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: int
+    config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str, **env: int
 ) -> None:
     from tplib.runtime.torchrun import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    main(["--config", str(config), "--out", str(tmp_path / "result.pt")])
+    main(["--config", str(config), "--out", str(tmp_path / "result.pt"), *args])
 
 
 @pytest.fixture()
@@ -197,6 +299,49 @@ def test_torchrun_without_ranks_per_node_accepts_any_split(
     save_run_config(RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16, ranks_per_node=2), config)
     with pytest.raises(ValueError, match=r"started 4 processes per node, but .* puts 2 on each"):
         _torchrun_main(config, tmp_path, monkeypatch, WORLD_SIZE=4, LOCAL_WORLD_SIZE=4)
+    assert no_process_group == ["gloo"]
+
+
+def test_torchrun_takes_the_backend_asked_for(
+    setting9: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_process_group: list[str]
+) -> None:
+    """Without torchrun's agents' store (no GPU UUIDs to compare) each process is taken to
+    see every GPU of its node: 8 GPUs for 8 ranks a node are NCCL's, unless gloo is asked
+    for; 1 GPU for 8 ranks is gloo's, and NCCL is refused before the process group."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda gpu: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    env = {"WORLD_SIZE": 384, "LOCAL_WORLD_SIZE": 8, "LOCAL_RANK": 5}
+    with pytest.raises(_ProcessGroupStarted):
+        _torchrun_main(setting9, tmp_path, monkeypatch, "--backend", "gloo", **env)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        BackendError,
+        match=r"backend 'nccl' with ranks 0, 1, 2, 3 and 4 more share GPU cuda:0 of node 0 "
+        r"\(384 ranks on 48 shared GPUs\): NCCL refuses two ranks of a communicator on one GPU",
+    ):
+        _torchrun_main(setting9, tmp_path, monkeypatch, "--backend", "nccl", **env)
+    assert no_process_group == ["gloo"]
+
+
+def test_torchrun_cpu_run_touches_no_gpu(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_process_group: list[str],
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    def touched(*args: object) -> None:
+        raise AssertionError("a CPU run touched CUDA")
+
+    for name in ("device_count", "set_device", "get_device_properties", "is_available"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    config = tmp_path / "run.json"
+    save_run_config(RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16), config)
+    with pytest.raises(_ProcessGroupStarted):
+        _torchrun_main(config, tmp_path, monkeypatch, WORLD_SIZE=4)
+    # Rank 0 says which backend and why, in one line, before the process group starts.
+    assert capfd.readouterr().out == "backend gloo: 4 ranks on CPU; NCCL moves GPU tensors only\n"
+    with pytest.raises(BackendError, match=r"backend 'nccl' for a run on device 'cpu'"):
+        _torchrun_main(config, tmp_path, monkeypatch, "--backend", "nccl", WORLD_SIZE=4)
     assert no_process_group == ["gloo"]
 
 
@@ -369,7 +514,10 @@ def test_workers_exit_when_the_process_that_started_them_is_killed() -> None:
     assert left == [], "pool workers outlived their parent"
 
 
-def test_torchrun_with_a_killed_worker_fails_and_writes_no_results(tmp_path: Path) -> None:
+def test_torchrun_with_a_killed_worker_fails_naming_what_it_was_doing(tmp_path: Path) -> None:
+    """Rank 1 is killed mid-iteration (its progress, read from the agents' store, says
+    where); rank 0's receive breaks, and its error names rank 1 and the action it last
+    reported. No result file is left behind."""
     save_run_config(LONG, tmp_path / "run.json")
     out = tmp_path / "result.pt"
     proc = subprocess.Popen(
@@ -382,6 +530,7 @@ def test_torchrun_with_a_killed_worker_fails_and_writes_no_results(tmp_path: Pat
     agent = psutil.Process(proc.pid)
     try:
         workers = _connected_workers(agent, 120)
+        seen = _reported_mid_iteration(workers[1], rank=1, iteration=2)
         workers[1].kill()
         killed_at = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
@@ -390,10 +539,41 @@ def test_torchrun_with_a_killed_worker_fails_and_writes_no_results(tmp_path: Pat
             os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - killed_at
     assert proc.returncode != 0 and took < LONG.timeout_s, took
-    # torchrun's agent names the killed rank (what it was doing died with it).
+    # torchrun's agent names the killed rank (SIGKILL leaves it no word of its own) ...
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", stderr), stderr[-3000:]
+    # ... and rank 0 what it was doing: its last report, no earlier than the test saw.
+    match = re.search(
+        r"RankLostError: rank 1 \(stage 1, replica 0\) on node 0 stopped reporting \(it exited, "
+        r"was killed or froze\) while (running|waiting for) .*, action (\d+) of 130 on stage 1, "
+        r"iteration (\d+) of 20\n.*rank 0 \(stage 0, replica 0\), which reports this, was ",
+        stderr,
+    )
+    assert match, stderr[-3000:]
+    assert (int(match[3]), int(match[2])) >= (seen.iteration + 1, seen.position + 1), seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no result, no temp
     assert _wait_gone([w.pid for w in workers], 5) == []
+
+
+def _reported_mid_iteration(worker: Any, rank: int, iteration: int) -> Beat:
+    """Wait until ``worker`` (``rank`` of LONG under torchrun) has reported an action in
+    the middle of its stage's list in ``iteration`` or later, in the agents' store."""
+    env = worker.environ()
+    store = torch.distributed.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    key = f"tplib/progress/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    n = len(LONG.schedule_data.actions[LONG.position(rank)[1]])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            beat = Beat.decode(store.get(key))
+            if beat.iteration >= iteration and n // 4 <= beat.position < 3 * n // 4:
+                return beat
+        time.sleep(0.01)
+    raise AssertionError(f"rank {rank} never reported the middle of iteration {iteration}")
 
 
 def _connected_workers(agent: Any, timeout_s: float) -> list[Any]:

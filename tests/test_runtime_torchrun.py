@@ -35,7 +35,18 @@ import torch
 import torch.distributed as dist
 
 from tplib.runtime import RunConfig, save_run_config, train_reference
-from tplib.runtime.torchrun import MissingRanksError, _await_every_rank, _spans, load_result
+from tplib.runtime.backend import BackendError
+from tplib.runtime.heartbeat import Beat, Heartbeat, RankLostError
+from tplib.runtime.rank import Progress, spans
+from tplib.runtime.torchrun import (
+    MissingRanksError,
+    StoppedError,
+    _await_every_rank,
+    _backend,
+    _failure,
+    _OnSigterm,
+    load_result,
+)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SUBNET = "10.77.0"  # private, and only ever inside this module's own namespaces
@@ -169,7 +180,7 @@ def _entry(run: RunConfig, run_dir: Path) -> list[str]:
     run_dir.mkdir()
     save_run_config(run, run_dir / "run.json")
     config, out = str(run_dir / "run.json"), str(run_dir / "result.pt")
-    return ["-m", "tplib.runtime.torchrun", "--config", config, "--out", out]
+    return ["-m", "tplib.runtime.torchrun", "--config", config, "--out", out, "--collect", "params"]
 
 
 def _tiny(**fields: Any) -> RunConfig:
@@ -212,6 +223,22 @@ def test_two_nodes_train_what_one_process_trains(
         # What tests/test_runtime.py asks of every layout on one machine.
         _close(result.losses, ref.losses, f"{layout} losses", atol=1e-5)
         _close(result.grad_norms, ref.grad_norms, f"{layout} gradient norms", atol=0)
+        params = result.params()  # the op ranks' shards joined
+        assert {_model_name(run, s, n) for s, n in params} == set(ref.params), layout
+        for (stage, name), p in params.items():
+            what = f"{layout} parameter {name} after the steps"
+            _close_tensor(p, ref.params[_model_name(run, stage, name)], what)
+        assert f"backend gloo: {run.world_size} ranks on CPU" in nodes.log(f"{layout}-node0")
+
+
+def _close_tensor(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _model_name(run: RunConfig, stage: int, name: str) -> str:
+    # A last stage's LM head is the model's tied token embedding.
+    last = stage == run.n_stages - 1
+    return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
 def _close(actual: list[float], expected: list[float], what: str, atol: float) -> None:
@@ -266,8 +293,8 @@ def test_a_worker_that_never_joins_is_named_within_the_timeout(
 
 
 def test_spans_compacts_consecutive_ranks() -> None:
-    assert _spans([5, 0, 1, 2, 8, 7, 7]) == "0-2, 5, 7-8"
-    assert _spans([3]) == "3" and _spans([]) == ""
+    assert spans([5, 0, 1, 2, 8, 7, 7]) == "0-2, 5, 7-8"
+    assert spans([3]) == "3" and spans([]) == ""
 
 
 def test_await_every_rank_names_the_missing_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,3 +318,95 @@ def test_await_every_rank_names_the_missing_ranks(monkeypatch: pytest.MonkeyPatc
     ):
         _await_every_rank(run, timeout)
     assert time.monotonic() - start < 10
+
+
+# ---- the GPU exchange and the failure report, against a store in this process -----------
+
+
+@dataclass
+class _FakeProperties:
+    uuid: str
+
+
+@pytest.fixture()
+def agent_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.TCPStore]:
+    """A store in this process standing for torchrun's agents': the environment torchrun
+    gives rank 1 of 2, one rank a node, on its only GPU."""
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=5),
+        wait_for_workers=False,
+    )
+    env = {"RANK": 1, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1, "LOCAL_RANK": 0}
+    for name, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": store.port}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    yield store
+
+
+@pytest.mark.parametrize(
+    ("other_gpu", "asked", "backend"),
+    [("GPU-b", None, "nccl"), ("GPU-a", None, "gloo"), ("GPU-b", "gloo", "gloo")],
+)
+def test_ranks_compare_gpu_uuids_in_the_agents_store(
+    agent_store: dist.TCPStore,
+    monkeypatch: pytest.MonkeyPatch,
+    other_gpu: str,
+    asked: str | None,
+    backend: str,
+) -> None:
+    """Each process sees one GPU, its "cuda:0" (SLURM's --gpus-per-task=1): NCCL exactly
+    when the UUIDs differ. Rank 0 (on the other node) arrived with ``other_gpu``."""
+    made_current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _FakeProperties("GPU-a"))
+    agent_store.set("tplib/arrived/0/0", other_gpu)
+    run = _tiny(n_stages=2, device="cuda", precision="fp32")
+    choice = _backend(run, asked, datetime.timedelta(seconds=5))
+    assert choice.backend == backend and made_current == [0]
+    assert agent_store.get("tplib/arrived/0/1") == b"GPU-a"  # what rank 0 compares
+    if other_gpu == "GPU-a":
+        assert choice.reason.startswith("ranks 0, 1 share GPU GPU-a")
+        with pytest.raises(BackendError, match="backend 'nccl' with ranks 0, 1 share GPU GPU-a"):
+            _backend(run, "nccl", datetime.timedelta(seconds=5))
+
+
+def test_a_rank_that_stopped_reporting_is_named(
+    agent_store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's receive broke; rank 0 wrote last at action 5 of iteration 2, then nothing:
+    the error names it. Once rank 0 writes again, rank 1's own error stands, with what
+    every rank is doing."""
+    run = _tiny(n_stages=2)
+    agent_store.set("tplib/progress/0/0", Beat(4, 1, 4).encode())
+    agent_store.set("tplib/progress/0/1", Beat(9, 1, 7).encode())  # this rank's, never moves
+    progress = Progress.local(2)
+    progress.set(1, 1, 7)
+    cause = ConnectionError("stage 1 (rank 1) lost its peer after 0.0 s")
+    error = _failure(run, 1, progress, cause)
+    assert isinstance(error, RankLostError)
+    assert str(error).startswith(
+        "rank 0 (stage 0, replica 0) on node 0 stopped reporting (it exited, was killed or "
+        "froze) while running "
+    )
+    assert "action 5 of" in str(error) and "iteration 2 of 2" in str(error)
+    assert str(error).endswith(f"when it failed: {type(cause).__name__}: {cause}")
+    client = dist.TCPStore("127.0.0.1", agent_store.port, is_master=False)
+    alive = Heartbeat(client, "tplib/progress/0", 0, Progress.local(2), period_s=0.05).start()
+    try:
+        assert _failure(run, 1, progress, cause) is cause
+    finally:
+        alive.stop()
+    assert cause.__notes__[0].startswith("Every rank still reports; what each was doing:")
+
+
+def test_sigterm_stops_a_rank_unless_it_is_reporting() -> None:
+    handler = _OnSigterm()
+    with pytest.raises(StoppedError, match="torchrun's agent stops every rank of a node"):
+        handler(15, None)
+    handler.reporting = True
+    handler(15, None)  # ignored: the report is written, then the rank exits

@@ -7,6 +7,8 @@ module            what it holds
 ``runfile``       a :class:`RunConfig` as JSON, for torchrun jobs and batch scripts
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``groups``        a rank's process groups, its peers between stages, staged collectives
+``backend``       NCCL or gloo (the rule, or the one asked for), and each rank's GPU
+``heartbeat``     each torchrun rank's progress in the agents' store: who died, doing what
 ``update``        the optimizer step: global-norm clipping, learning rate, fp16 skips
 ``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
 ``torchrun``      the entry point for runs across nodes; :func:`load_result` reads its file

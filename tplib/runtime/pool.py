@@ -44,8 +44,15 @@ import torch.multiprocessing as mp
 
 from tplib.machine import threads_per_process
 from tplib.oppart import merge_shards, shard_spec
+from tplib.runtime.backend import (
+    BackendChoice,
+    choose_backend,
+    gpu_index,
+    local_gpus,
+    needs_gpu,
+)
 from tplib.runtime.config import Hooks, RunConfig
-from tplib.runtime.rank import Progress
+from tplib.runtime.rank import Progress, rank_label
 from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
 
 __all__ = ["LocalPool", "RunResult", "WorkerError", "free_port", "launch"]
@@ -173,10 +180,17 @@ def _pool_worker(
     progress: Progress,
 ) -> None:
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    gpu: int | None = None  # the GPU this rank made current, once it needs one
+
+    def use_gpu(device: str | None) -> None:
+        nonlocal gpu
+        if gpu is None and needs_gpu(backend, device):
+            gpu = gpu_index(rank, torch.cuda.device_count())
+            torch.cuda.set_device(gpu)
+
     try:
         torch.set_num_threads(threads_per_process(world_size))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        use_gpu(None)  # NCCL binds the group to a GPU as it starts
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -194,6 +208,7 @@ def _pool_worker(
             break
         run, hooks = job
         try:
+            use_gpu(run.device)
             torch.set_num_threads(run.threads or threads_per_process(world_size))
             results.put(("ok", rank, run_worker(run, rank, hooks, progress)))
             progress.set(rank, 0, Progress.IDLE)
@@ -211,10 +226,16 @@ class LocalPool:
     """``world_size`` local processes in one process group, reused across runs."""
 
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 180.0) -> None:
+        """``backend``: the pool's for every run, "gloo" (CPU runs, and CUDA runs staged
+        through host memory) or "nccl" (CUDA runs only, one GPU per rank: refused on a
+        machine with fewer GPUs than ``world_size``)."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be at least 1")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU) or 'nccl' (GPU)")
+        if backend == "nccl":
+            count = torch.cuda.device_count()
+            choose_backend("cuda", world_size, local_gpus("cuda", world_size, count), backend)
+        else:
+            choose_backend("cpu", world_size, asked=backend)  # names a backend that is neither
         self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -250,11 +271,7 @@ class LocalPool:
         return [p.pid or 0 for p in self._procs]
 
     def _who(self, rank: int) -> str:
-        if self._run is None:
-            return f"rank {rank}"
-        replica, stage, op_rank = self._run.position(rank)
-        op = f", op rank {op_rank}" if self._run.n_op > 1 else ""
-        return f"rank {rank} (stage {stage}, replica {replica}{op})"
+        return f"rank {rank}" if self._run is None else rank_label(self._run, rank)
 
     def _doing(self, rank: int) -> str:
         if self._run is None:
@@ -336,8 +353,8 @@ class LocalPool:
         if self._closed:
             raise RuntimeError("this LocalPool is closed (a run failed or close() was called)")
         run.check_world_size(self.world_size)
-        if run.device == "cpu" and self.backend == "nccl":
-            raise ValueError("device='cpu' cannot run on backend='nccl': use gloo for CPU runs")
+        if run.device != "cuda":  # a CUDA run suits either (the GPUs were checked at start)
+            choose_backend(run.device, self.world_size, asked=self.backend)
         self.wait_ready()
         self._run = run
         for q in self._jobs:
@@ -379,16 +396,20 @@ class LocalPool:
         self.close(force=exc[0] is not None)
 
 
-def local_backend(run: RunConfig) -> str:
-    """NCCL when every rank has a GPU of its own, gloo otherwise (on CPU, or several
-    ranks sharing one GPU, their tensors staged through host memory)."""
-    if run.device == "cuda" and torch.cuda.device_count() >= run.world_size:
-        return "nccl"
-    return "gloo"
+def local_backend(run: RunConfig, asked: str | None = None) -> BackendChoice:
+    """The backend of ``run`` on local processes (:mod:`tplib.runtime.backend`): NCCL when
+    the run is on CUDA and this machine has a GPU per rank, gloo otherwise (on CPU, or
+    several ranks sharing one GPU, their tensors staged through host memory); or
+    ``asked``, if it can work."""
+    count = torch.cuda.device_count() if run.device == "cuda" else 0  # no CUDA for CPU runs
+    gpus = local_gpus(run.device, run.world_size, count)
+    return choose_backend(run.device, run.world_size, gpus, asked)
 
 
-def launch(run: RunConfig, hooks: Hooks = Hooks()) -> RunResult:
-    """Start ``run.world_size`` local processes, run, and return the gathered results."""
-    backend = local_backend(run)
-    with LocalPool(run.world_size, backend=backend, timeout_s=run.timeout_s) as pool:
+def launch(run: RunConfig, hooks: Hooks = Hooks(), backend: str | None = None) -> RunResult:
+    """Start ``run.world_size`` local processes, run, and return the gathered results.
+    ``backend``: "nccl" or "gloo" instead of :func:`local_backend`'s choice (refused
+    before any process starts if it cannot work)."""
+    choice = local_backend(run, backend)
+    with LocalPool(run.world_size, backend=choice.backend, timeout_s=run.timeout_s) as pool:
         return pool.run(run, hooks)

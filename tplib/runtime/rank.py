@@ -9,7 +9,7 @@ the pass over the schedule).
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, ClassVar
@@ -22,7 +22,7 @@ from tplib.schedule import Kind
 if TYPE_CHECKING:
     from tplib.runtime.config import RunConfig
 
-__all__ = ["TRACE_COLUMNS", "Progress", "RankResult", "TraceRow"]
+__all__ = ["TRACE_COLUMNS", "Progress", "RankResult", "TraceRow", "rank_label", "spans"]
 
 TRACE_COLUMNS = (
     "rank",
@@ -61,6 +61,25 @@ class RankResult:
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
     weight_versions: int = 1  # the most weight versions the stage held at once
+
+
+def spans(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``: a node's ranks are consecutive, and a job may
+    name hundreds of them."""
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and runs[-1][1] == v - 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def rank_label(run: RunConfig, rank: int) -> str:
+    """``rank`` of ``run`` with its place in the layout, as errors name it."""
+    replica, stage, op_rank = run.position(rank)
+    op = f", op rank {op_rank}" if run.n_op > 1 else ""
+    return f"rank {rank} (stage {stage}, replica {replica}{op})"
 
 
 class Progress:
