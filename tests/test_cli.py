@@ -257,8 +257,9 @@ BENCH += ["--seq-len", "16", "--slices", "4"]
 def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[str]) -> None:
     # #Pipe x #Op = 2 x 2: four local processes, one quick iteration.
     argv = [*BENCH, "--op", "2", "--recompute", "full", "--iters", "1", "--warmup", "0"]
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--backend", "gloo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "gloo"
     assert (out["n_op"], out["recompute"], out["precision"], out["device"]) == (
         2,
         "full",
@@ -291,6 +292,21 @@ def test_bench_bad_layouts_exit_2(
     assert main([*BENCH, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--backend", "nccl"], "error: backend 'nccl' for a run on device 'cpu': NCCL moves"),
+        (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'"),
+    ],
+)
+def test_bench_refuses_a_backend_that_cannot_work_before_starting(
+    extra: list[str], message: str
+) -> None:
+    code, err = run_cli([*BENCH, *extra])
+    assert code == 2 and message in err, err
+    assert run_cli([*BENCH, "--backend", "gloo"])[0] == "started"  # the positive control
 
 
 # ---- bad input, generated -------------------------------------------------------------

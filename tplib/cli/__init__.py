@@ -189,6 +189,11 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--recompute", default="none", help="none or full (recompute in backward)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        help="instead of the rule: nccl for cuda with a GPU per rank, gloo otherwise",
+    )
     p.add_argument("--iters", type=COUNT, default=5, help="timed iterations")
     p.add_argument("--warmup", type=integer(0), default=1, help="untimed iterations first")
     p.add_argument(

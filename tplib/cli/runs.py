@@ -26,6 +26,7 @@ def _json_arg(text: str | None, what: str) -> dict[str, Any]:
 
 def bench_command(args: argparse.Namespace) -> int:
     from tplib.runtime import RunConfig, bench  # starts processes: import only when asked
+    from tplib.runtime.pool import local_backend
 
     if args.schedule == "gpipe" and args.slices != 1:
         raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
@@ -46,7 +47,8 @@ def bench_command(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         threads=args.threads or 0,
     )
-    result = bench(run)
+    choice = local_backend(run, args.backend)  # refused here, before any process starts
+    result = bench(run, backend=choice.backend)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -57,6 +59,7 @@ def bench_command(args: argparse.Namespace) -> int:
     )
     if run.padded_vocab != run.cfg.vocab_size:
         print(f"  vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")
+    print(f"  {choice}")
     print(
         f"  median iteration latency {result.median_latency_s:.4f} s over {result.iterations} "
         f"iterations (mean {result.latency_mean_s:.4f} ± {result.latency_std_s:.4f})"

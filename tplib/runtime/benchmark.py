@@ -18,7 +18,7 @@ import pandas as pd
 
 from tplib.cluster.memory import MemoryEstimate, stage_memory
 from tplib.runtime.config import RunConfig
-from tplib.runtime.pool import RunResult, launch
+from tplib.runtime.pool import RunResult, launch, local_backend
 from tplib.schedule import LOCAL_WORK
 
 __all__ = ["BenchResult", "bench", "busiest_stage_work", "modelled_memory"]
@@ -48,6 +48,7 @@ class BenchResult:
     stage_peak_bytes: tuple[int, ...]  # measured, the largest rank of each stage
     modelled_peak_bytes: tuple[float, ...]  # the analytic model's, each stage
     memory_error: float  # the largest |modelled / measured - 1| over the stages
+    backend: str  # "gloo" or "nccl" (tplib.runtime.backend)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -78,9 +79,14 @@ def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
     ]
 
 
-def bench(run: RunConfig, result: RunResult | None = None) -> BenchResult:
-    """Run ``run`` on local processes (unless a ``result`` is given) and summarise it."""
-    result = result or launch(run)
+def bench(
+    run: RunConfig, result: RunResult | None = None, backend: str | None = None
+) -> BenchResult:
+    """Run ``run`` on local processes (unless a ``result`` is given) and summarise it.
+    ``backend``: "nccl" or "gloo" instead of :func:`~tplib.runtime.pool.local_backend`'s
+    choice."""
+    backend = local_backend(run, backend).backend
+    result = result or launch(run, backend=backend)
     latencies = result.iteration_s
     busiest = busiest_stage_work(result.trace)
     overhead = [lat - busiest[i] for i, lat in enumerate(latencies)]
@@ -113,4 +119,5 @@ def bench(run: RunConfig, result: RunResult | None = None) -> BenchResult:
             (abs(m / x - 1) for m, x in zip(modelled, measured, strict=True) if x),
             default=float("nan"),  # memory was not counted
         ),
+        backend=backend,
     )
