@@ -35,8 +35,12 @@ test-browser: $(STAMP)
 	  else echo "install Debian's chromium (as root: apt-get install chromium)"; exit 1; fi; }
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/test_explorer_browser.py
 
+# LAUNCHER=slurm: one SLURM array task per configuration; SBATCH_ARGS="--partition=..."
+# go to its sbatch line, NO_WAIT=1 returns once submitted (run it again to gather).
 reproduce: $(STAMP)
-	$(PY) -m tplib reproduce --mode $(MODE) $(if $(filter 1,$(FORCE)),--force,)
+	$(PY) -m tplib reproduce --mode $(MODE) $(if $(filter 1,$(FORCE)),--force,) \
+	  $(if $(LAUNCHER),--launcher $(LAUNCHER),) \
+	  $(if $(SBATCH_ARGS),--sbatch-args '$(SBATCH_ARGS)',) $(if $(filter 1,$(NO_WAIT)),--no-wait,)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_slicing.py

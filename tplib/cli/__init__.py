@@ -14,7 +14,8 @@ command        what it does
                each stage's peak memory beside the memory model's
 ``run``        write the torchrun config of a Table-1 setting and print how to launch it
 ``table``      one paper table in simulate or measure mode, without Jupyter
-``reproduce``  every table notebook under papermill (resumable), then the summary
+``reproduce``  every table notebook under papermill (resumable), then the summary; with
+               ``--launcher slurm`` one SLURM array task per configuration
 =============  ===========================================================================
 
 Each command is one small function from parsed arguments to an exit code, registered in
@@ -232,6 +233,27 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--results", help="results folder (default: results/ of this checkout)")
     p.add_argument("--force", action="store_true", help="start a new run even if one can resume")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: here, one notebook after another; slurm: one SLURM array task per "
+        "configuration (table, setting), then the tables gathered",
+    )
+    p.add_argument(
+        "--sbatch-args",
+        default="",
+        help="slurm: options for sbatch, e.g. '--partition=gpu --account=me --gpus=1' "
+        "(or sbatch's SBATCH_* variables)",
+    )
+    p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="slurm: return once submitted; run the same command again to gather",
+    )
+    p.add_argument(
+        "--poll", type=number(0, above=True), default=30.0, help="slurm: seconds between squeues"
+    )
     p.set_defaults(func=reproduce_command)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,22 +115,47 @@ def _check_reproduce_params(args: argparse.Namespace, params: dict[str, Any]) ->
             )
     for job in default_jobs(args.mode, params, args.results, tuple(args.only or ())):
         get_table(job.table).check(job.mode, job.params)
+        if args.launcher == "slurm":
+            from tplib.reproduce.split import split_job
+
+            split_job(job)  # a configuration named twice
 
 
 def reproduce_command(args: argparse.Namespace) -> int:
     from tplib.reproduce import reproduce
+    from tplib.reproduce.slurm import TaskFailed
 
+    if args.launcher == "local" and (args.sbatch_args or args.no_wait):
+        given = [
+            o for o, v in (("--sbatch-args", args.sbatch_args), ("--no-wait", args.no_wait)) if v
+        ]
+        raise ValueError(f"{', '.join(given)}: only with --launcher slurm")
     params = _json_arg(args.params, "--params")
     _check_reproduce_params(args, params)
-    report = reproduce(
-        args.mode,
-        force=args.force,
-        params=params,
-        only=tuple(args.only or ()),
-        root=args.results,
-    )
-    n = len(report.ran) + len(report.skipped)
+    try:
+        report = reproduce(
+            args.mode,
+            force=args.force,
+            params=params,
+            only=tuple(args.only or ()),
+            root=args.results,
+            launcher=args.launcher,
+            sbatch_args=args.sbatch_args,
+            wait=not args.no_wait,
+            poll_s=args.poll,
+        )
+    except TaskFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     how = "resumed an interrupted run" if report.resumed else "started a new run"
+    if report.pending:
+        print(
+            f"{how}: {len(report.pending)} configurations queued or running on SLURM "
+            f"({len(report.ran) + len(report.skipped)} finished); run the same command again "
+            "to gather them and write the summary"
+        )
+        return 0
+    n = len(report.ran) + len(report.skipped)
     print(
         f"{how}: ran {len(report.ran)} of {n} notebooks ({len(report.skipped)} finished earlier "
         f"in this run); summary in {report.summary_path}\n"

@@ -8,12 +8,18 @@ module            what it holds
 ``manifest``      the run manifest ``results/.run.json``: resuming an interrupted run
 ``summary``       ``results/SUMMARY.md``: reproduced numbers beside the paper's and the
                   committed reference's
+``split``         one job per configuration (a setting, a sequence length), and the
+                  table gathered back from their CSVs
+``slurm``         ``launcher="slurm"``: the configurations as one SLURM array, each task
+                  a papermill run; waiting, gathering, failed tasks
 ================  ====================================================================
 
 :func:`reproduce` regenerates every table: the committed outputs are the reference it
 compares against, never a reason to skip. A run that is interrupted (Ctrl-C, a killed
 process, a reboot) and started again continues where it stopped, skipping only the jobs
 this same run finished; a finished run, other parameters or changed code start anew.
+With ``launcher="slurm"`` each configuration is one task of a SLURM array
+(:mod:`tplib.reproduce.slurm`), and the tables are gathered from them.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +58,16 @@ SUMMARY = "SUMMARY.md"
 
 @dataclass(frozen=True)
 class Report:
-    """What :func:`reproduce` did: the jobs it ran and skipped, and the summary."""
+    """What :func:`reproduce` did: the jobs it ran and skipped, and the summary. Under
+    SLURM the jobs are the configurations, and ``pending`` those still queued or running
+    when it returned without waiting (then no summary yet: ``summary`` is empty)."""
 
     ran: list[Job]
     skipped: list[Job]
     resumed: bool
     summary: str
     summary_path: Path
+    pending: list[Job] = field(default_factory=list)
 
 
 def _own_git_checkout(root: Path) -> bool:
@@ -141,22 +150,69 @@ def reproduce(
     only: tuple[str, ...] = (),
     root: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    launcher: str = "local",
+    sbatch_args: str | Sequence[str] = (),
+    wait: bool = True,
+    poll_s: float = 30.0,
 ) -> Report:
     """Run the table notebooks of ``mode`` ("simulate", "measure" or "all"), resuming an
     interrupted run of the same jobs, parameters and code unless ``force``; then write
     ``<root>/SUMMARY.md`` and return a :class:`Report`. ``params`` maps a table to its
-    parameters (see :func:`~tplib.reproduce.jobs.default_jobs`)."""
-    from tqdm.auto import tqdm
+    parameters (see :func:`~tplib.reproduce.jobs.default_jobs`).
 
+    ``launcher="slurm"`` runs one job per configuration as one SLURM array instead, with
+    ``sbatch_args`` on its ``sbatch`` line, waits for it unless ``wait`` is False (then
+    call again to gather) and gathers the tables (see :mod:`tplib.reproduce.slurm`)."""
+    if launcher not in ("local", "slurm"):
+        raise ValueError(f"launcher={launcher!r}: choose 'local' (this machine) or 'slurm'")
+    if launcher == "local" and (sbatch_args or not wait):
+        raise ValueError("sbatch_args and wait=False: only with launcher 'slurm'")
+    cluster = None
+    if launcher == "slurm":
+        from tplib.reproduce.slurm import Slurm
+
+        cluster = Slurm.checked(sbatch_args, wait, poll_s)  # before any work
     base = Path(root) if root is not None else results_root()
     jobs = default_jobs(mode, params, root, only)
+    tables = [(job, [job]) for job in jobs]
+    if cluster is not None:
+        from tplib.reproduce.split import split_jobs
+
+        tables = split_jobs(jobs)
+    units = [p for _, ps in tables for p in ps]
     code = code_version()
     manifest = None if force else Manifest.load(base / MANIFEST)
-    resumed = manifest is not None and manifest.resumes(code, jobs)
+    resumed = manifest is not None and manifest.resumes(code, units)
     if manifest is None or not resumed:
         _snapshot_references(jobs, base)
-        manifest = Manifest.new(base / MANIFEST, code, jobs)
+        manifest = Manifest.new(base / MANIFEST, code, units)
     t0 = time.perf_counter()
+    if cluster is not None:
+        from tplib.reproduce.slurm import run_array
+
+        outcome = run_array(tables, manifest, cluster, base, print if progress else _quiet)
+        if outcome.pending:
+            path = base / SUMMARY
+            return Report(outcome.ran, outcome.skipped, resumed, "", path, outcome.pending)
+        ran, skipped = outcome.ran, outcome.skipped
+    else:
+        ran, skipped = _run_here(jobs, manifest, progress)
+    # The run finishes with its summary: should that fail, running again resumes, skips
+    # every notebook and writes the summary.
+    text = _summary(jobs, base, code, manifest.started, time.perf_counter() - t0)
+    path = write_text(base / SUMMARY, text)
+    manifest.finish()
+    return Report(ran, skipped, resumed, text, path)
+
+
+def _quiet(line: str) -> None:
+    """Progress lines unsaid."""
+
+
+def _run_here(jobs: list[Job], manifest: Manifest, progress: bool) -> tuple[list[Job], list[Job]]:
+    """Run ``jobs`` one after another on this machine, skipping those this run finished."""
+    from tqdm.auto import tqdm
+
     ran, skipped = [], []
     with tqdm(jobs, desc="reproduce", unit="notebook", disable=not progress) as bar:
         for job in bar:
@@ -177,9 +233,4 @@ def reproduce(
             manifest.mark_done(job, time.perf_counter() - start)
             bar.write(f"ran  {label} in {time.perf_counter() - start:.0f} s -> {job.csv}")
             ran.append(job)
-    # The run finishes with its summary: should that fail, running again resumes, skips
-    # every notebook and writes the summary.
-    text = _summary(jobs, base, code, manifest.started, time.perf_counter() - t0)
-    path = write_text(base / SUMMARY, text)
-    manifest.finish()
-    return Report(ran, skipped, resumed, text, path)
+    return ran, skipped

@@ -8,6 +8,10 @@ while it ran. A run started again resumes when the manifest describes the same j
 parameters and code and has not finished, and redoes only the jobs it had not finished;
 anything else (a finished run, other parameters, changed code, ``force``) starts a new
 run, which redoes every job.
+
+Under SLURM (:mod:`tplib.reproduce.slurm`) the jobs are the configurations, and a job
+submitted also records its array, task and log (``"slurm"``), so that a later invocation
+gathers an array an earlier one submitted instead of submitting the job again.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class Manifest:
 
     path: Path
     code: str
-    jobs: list[dict[str, Any]]  # Job.record() plus "started", "finished" and "seconds"
+    jobs: list[dict[str, Any]]  # Job.record() plus "started", "finished", "seconds", "slurm"
     started: str = field(default_factory=_now)
     finished: str | None = None  # when the whole run finished
 
@@ -119,6 +123,31 @@ class Manifest:
 
     def mark_started(self, job: Job) -> None:
         self._record(job)["started"] = _now()
+        self.save()
+
+    def mark_submitted(self, jobs: Sequence[Job], array: str, logs: Sequence[Path]) -> None:
+        """``jobs`` were submitted as the tasks of SLURM array ``array``, in order, each
+        logging to its entry of ``logs``."""
+        for task, (job, log) in enumerate(zip(jobs, logs, strict=True)):
+            record = self._record(job)
+            # A job finished earlier whose outputs were removed since runs again.
+            record["started"], record["finished"], record["seconds"] = _now(), False, None
+            record["slurm"] = {"array": array, "task": task, "log": str(log), "failed": False}
+        self.save()
+
+    def submitted(self, job: Job) -> dict[str, Any] | None:
+        """The SLURM array task that runs ``job`` (array, task, log), if one was submitted
+        in this run and neither finished it nor was found to have failed."""
+        record = self._record(job)
+        task = record.get("slurm")
+        if record["finished"] or not isinstance(task, dict) or task.get("failed"):
+            return None
+        return task
+
+    def mark_failed(self, jobs: Sequence[Job]) -> None:
+        """The array tasks of ``jobs`` ended without their outputs: submit them again."""
+        for job in jobs:
+            self._record(job)["slurm"]["failed"] = True
         self.save()
 
     def mark_done(self, job: Job, seconds: float) -> None:
