@@ -25,6 +25,7 @@ from tplib.context import (
     _alias,
     _AppendKV,
     _mask,
+    attention_impls,
     slice_attention,
 )
 
@@ -373,3 +374,18 @@ def test_unknown_impl_is_refused() -> None:
     q, k, v, _ = _inputs(4, 4, seed=10)
     with pytest.raises(ValueError, match=rf"unknown attention impl 'flash'.*{listing}"):
         slice_attention(q, k, v, layer, 0)
+
+
+def test_split_attention_refuses_a_device_other_than_cpu() -> None:
+    """Its kernel exists for CPU tensors only: a CUDA context is refused when it is made,
+    naming the device and what runs there (here the meta device stands for CUDA)."""
+    assert attention_impls("cpu") == ATTENTION_IMPLS
+    assert attention_impls("meta") == ("masked",)
+    with pytest.raises(ValueError, match=r"'split' runs on CPU tensors only.*meta.*\('masked',\)"):
+        LayerContext(1, 1, 4, 4, dtype=torch.float32, device="meta", impl="split")
+    LayerContext(1, 1, 4, 4, dtype=torch.float32, device="meta", impl="masked")
+    # Queries from another device reaching a CPU context's split kernel are refused too.
+    layer = _context(4, 4, "split")
+    q, k, v, _ = _inputs(4, 4, seed=11)
+    with pytest.raises(ValueError, match="'split' runs on CPU tensors only, not meta"):
+        slice_attention(q.to("meta"), k.to("meta"), v.to("meta"), layer, 0)

@@ -1,9 +1,15 @@
 """The runtime on CUDA, against the single-process fp32 reference on CPU.
 
-The tests marked ``cuda`` skip without a GPU; ``make gpu-check`` runs them
-(``pytest -m cuda tests``). With fewer GPUs than ranks, :func:`~tplib.runtime.launch`
-picks gloo and the ranks share the GPU, their tensors staged through host memory
-(:func:`tplib.runtime.pool.local_backend`); with a GPU per rank, NCCL.
+The tests marked ``cuda`` skip without a GPU; ``make gpu-check`` runs them (this file
+alone, so a node without the notebooks' packages can collect it). Its CPU rehearsal
+(``make gpu-check-rehearsal``) runs them on the CPU instead: ``TPLIB_TEST_DEVICE=cpu``
+names the device they use, so a mistake in them shows before a GPU is leased (fp16,
+which needs CUDA, then skips). With fewer GPUs than ranks the ranks share the GPU over
+gloo, their tensors staged through host memory; with a GPU per rank, NCCL.
+
+Every pipelined schedule the issue of a GPU path names runs here: ``gpipe``, ``1f1b``,
+``terapipe`` and ``terapipe-zb``, in fp32, bf16 and fp16, two stages (and #Op = 2: four
+ranks) sharing the GPU.
 
 Tolerances:
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -45,7 +52,7 @@ import pytest
 import torch
 
 from tplib.config import get_config
-from tplib.context import ATTENTION_IMPLS
+from tplib.context import attention_impls
 from tplib.data import synthetic_batch
 from tplib.model import GPTStage, build_model
 from tplib.plan import Plan
@@ -55,30 +62,49 @@ from tplib.runtime import (
     ReferenceResult,
     RunConfig,
     RunResult,
-    launch,
     train_reference,
 )
 from tplib.slicing import full_batch_loss, run_pipeline_local
 
 from .conftest import assert_scaled_close
 
+# The device the tests marked cuda run on: "cpu" in gpu-check's rehearsal.
+DEVICE = os.environ.get("TPLIB_TEST_DEVICE", "cuda")
 cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"
+)
 
 COLLECT = Hooks(collect_grads=True, collect_params=True)
 SEQ_LEN = 16
 UNEVEN = Plan((1, 1), ((5, 11), (2, 6, 8)))  # uneven token slices, two batch slices
+# Each schedule with the slicing it runs: whole sequences as microbatches, or token slices.
+SCHEDULE_PLANS = {
+    "gpipe": Plan.gpipe(2, SEQ_LEN),
+    "1f1b": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
+    "terapipe": UNEVEN,
+    "terapipe-zb": UNEVEN,
+}
 
 
-def _config(*, device: str, precision: str = "fp32", n_op: int = 1, **fields: object) -> RunConfig:
+def _config(
+    *,
+    device: str,
+    precision: str = "fp32",
+    n_op: int = 1,
+    schedule: str = "terapipe",
+    **fields: object,
+) -> RunConfig:
+    if precision == "fp16" and device != "cuda":
+        pytest.skip("fp16 needs CUDA (fp16 weights are for GPUs); the rehearsal skips it")
     options: dict[str, object] = {
         "model": "tiny",
-        "schedule": "terapipe",
+        "schedule": schedule,
         "n_stages": 2,
         "n_op": n_op,
         "batch": 2,
         "seq_len": SEQ_LEN,
-        "slicing": UNEVEN,
+        "slicing": SCHEDULE_PLANS[schedule],
         "steps": 5,
         "lr": 1e-3,
         # The attention key bias has an exactly-zero gradient in exact arithmetic, so
@@ -172,10 +198,29 @@ def test_bf16_on_cpu_matches_the_fp32_reference() -> None:
 # ---- CUDA ------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def shared_gpu() -> Iterator[Callable[[int], LocalPool]]:
+    """``shared_gpu(world)``: ``world`` ranks on this node's GPUs, started once per module:
+    NCCL with a GPU per rank, else gloo with the ranks sharing the GPU."""
+    made: dict[int, LocalPool] = {}
+
+    def get(world: int) -> LocalPool:
+        if world not in made:
+            own = DEVICE == "cuda" and torch.cuda.device_count() >= world
+            made[world] = LocalPool(world, backend="nccl" if own else "gloo", timeout_s=120)
+        return made[world]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
 @cuda
 @needs_gpu
 def test_fresh_processes_keep_tf32_off() -> None:
     """What the spawned workers start with: fp32 matmuls in full fp32."""
+    if DEVICE != "cuda":
+        pytest.skip("TF32 is a CUDA setting")
     code = (
         "import torch; torch.cuda.init(); "
         "print(torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())"
@@ -186,24 +231,40 @@ def test_fresh_processes_keep_tf32_off() -> None:
     assert out.stdout.split() == ["False", "highest"], out.stdout
 
 
+# (schedule, #Op, recompute): every schedule on two ranks, TeraPipe on four (#Op = 2).
+FP32_CASES = [
+    *((name, 1, recompute) for name in SCHEDULE_PLANS for recompute in ("none", "full")),
+    *(("terapipe", 2, recompute) for recompute in ("none", "full")),
+]
+
+
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("recompute", ["none", "full"])
-@pytest.mark.parametrize("n_op", [1, 2])
-def test_fp32_on_cuda_matches_the_cpu_reference(n_op: int, recompute: str) -> None:
-    run = _config(device="cuda", n_op=n_op, recompute=recompute)
-    result = launch(run, COLLECT)
-    assert all(r.memory is not None and r.memory.source == "allocator" for r in result.ranks)
+@pytest.mark.parametrize(("schedule", "n_op", "recompute"), FP32_CASES)
+def test_fp32_on_cuda_matches_the_cpu_reference(
+    shared_gpu: Callable[[int], LocalPool], schedule: str, n_op: int, recompute: str
+) -> None:
+    run = _config(device=DEVICE, schedule=schedule, n_op=n_op, recompute=recompute)
+    result = shared_gpu(run.world_size).run(run, COLLECT)
+    source = "allocator" if DEVICE == "cuda" else "counted"
+    assert all(r.memory is not None and r.memory.source == source for r in result.ranks)
     _check_fp32(run, result, tol=1e-4)
 
 
+MIXED_CASES = [
+    *((precision, name, 1) for precision in ("bf16", "fp16") for name in SCHEDULE_PLANS),
+    *((precision, "terapipe", 2) for precision in ("bf16", "fp16")),
+]
+
+
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("n_op", [1, 2])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_on_cuda_is_close_to_fp32(precision: str, n_op: int) -> None:
-    run = _config(device="cuda", precision=precision, n_op=n_op)
-    result = launch(run, COLLECT)
+@pytest.mark.parametrize(("precision", "schedule", "n_op"), MIXED_CASES)
+def test_mixed_precision_on_cuda_is_close_to_fp32(
+    shared_gpu: Callable[[int], LocalPool], precision: str, schedule: str, n_op: int
+) -> None:
+    run = _config(device=DEVICE, precision=precision, schedule=schedule, n_op=n_op)
+    result = shared_gpu(run.world_size).run(run, COLLECT)
     skipped = {r.steps_skipped for r in result.ranks}
     assert len(skipped) == 1, f"ranks skipped different numbers of steps: {skipped}"
     n_skipped = skipped.pop()
@@ -260,39 +321,39 @@ def _reference(
     return loss.detach(), grads
 
 
-def _sum_grads(stages: list[GPTStage]) -> dict[str, torch.Tensor]:
-    # A last stage's head is the first stage's embedding; their gradients add up.
-    grads: dict[str, torch.Tensor] = {}
+def _check_grads(stages: list[GPTStage], ref_grads: dict[str, torch.Tensor]) -> None:
+    """Every stage's gradients on the device and equal to the whole model's. A last
+    stage's head is the first stage's embedding: run_pipeline_local gives each copy the
+    whole gradient of the shared matrix."""
+    seen = set()
     for stage in stages:
         for name, p in stage.named_parameters():
             key = "wte.weight" if name == "head.weight" and stage.cfg.tie_embeddings else name
             assert p.grad is not None, f"{name} has no gradient"
-            assert p.grad.device.type == "cuda", f"{name}'s gradient left the GPU"
-            grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
-    return grads
+            assert p.grad.device.type == DEVICE, f"{name}'s gradient left the GPU"
+            assert_scaled_close(p.grad, ref_grads[key], what=f"[{stage.lo}, {stage.hi}) {name}")
+            seen.add(key)
+    assert seen == ref_grads.keys()
 
 
 @cuda
 @needs_gpu
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("recompute", ["none", "full"])
-@pytest.mark.parametrize("attention", [None, *ATTENTION_IMPLS])
+@pytest.mark.parametrize("attention", [None, *attention_impls(DEVICE)])
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 def test_sliced_model_on_cuda_matches_whole_sequences(
     plan: Plan, attention: str | None, recompute: str
 ) -> None:
-    model = build_model(CFG, seed=1, device="cuda")
-    tokens, targets = (t.cuda() for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=2))
+    model = build_model(CFG, seed=1, device=DEVICE)
+    tokens, targets = (t.to(DEVICE) for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=2))
     ref_loss, ref_grads = _reference(model, tokens, targets)
     loss = run_pipeline_local(
         [model], tokens, plan, targets=targets, attention=attention, recompute=recompute
     )
-    assert loss.device.type == "cuda"
+    assert loss.device.type == DEVICE
     assert_scaled_close(loss, ref_loss, what="loss")
-    grads = _sum_grads([model])
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        assert_scaled_close(grads[name], ref, what=name)
+    _check_grads([model], ref_grads)
 
 
 @cuda
@@ -301,18 +362,15 @@ def test_sliced_model_on_cuda_matches_whole_sequences(
 @pytest.mark.parametrize("cuts", [(0, 1, 4), (0, 2, 4), (0, 1, 2, 3, 4)], ids=str)
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 def test_chained_stages_on_cuda_match_whole_sequences(plan: Plan, cuts: tuple[int, ...]) -> None:
-    whole = build_model(CFG, seed=4, device="cuda")
-    tokens, targets = (t.cuda() for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=5))
+    whole = build_model(CFG, seed=4, device=DEVICE)
+    tokens, targets = (t.to(DEVICE) for t in synthetic_batch(CFG, plan.batch, plan.seq_len, seed=5))
     ref_loss, ref_grads = _reference(whole, tokens, targets)
     stages = [
-        build_model(CFG, lo, hi, seed=4, device="cuda") for lo, hi in itertools.pairwise(cuts)
+        build_model(CFG, lo, hi, seed=4, device=DEVICE) for lo, hi in itertools.pairwise(cuts)
     ]
     loss = run_pipeline_local(stages, tokens, plan, targets=targets)
     assert_scaled_close(loss, ref_loss, what="loss")
-    grads = _sum_grads(stages)
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        assert_scaled_close(grads[name], ref, what=name)
+    _check_grads(stages, ref_grads)
 
 
 def _middle_stage_case(
@@ -322,10 +380,10 @@ def _middle_stage_case(
 ]:
     """A middle stage on CUDA: (stage, input, output gradient, reference output,
     reference input gradient, reference parameter gradients)."""
-    stage = build_model(CFG, 1, 3, seed=6, device="cuda")
+    stage = build_model(CFG, 1, 3, seed=6, device=DEVICE)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).cuda()
-    grad_out = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).cuda()
+    x = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).to(DEVICE)
+    grad_out = torch.randn(plan.batch, plan.seq_len, CFG.hidden, generator=g).to(DEVICE)
     x_ref = x.clone().requires_grad_()
     y_ref = stage(x_ref)
     y_ref.backward(grad_out)
@@ -341,7 +399,7 @@ def _middle_stage_case(
 @cuda
 @needs_gpu
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("attention", [None, *ATTENTION_IMPLS])
+@pytest.mark.parametrize("attention", [None, *attention_impls(DEVICE)])
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 def test_middle_stage_on_cuda_matches_whole_sequences(plan: Plan, attention: str | None) -> None:
     stage, x, grad_out, y_ref, x_grad_ref, ref_grads = _middle_stage_case(plan)
@@ -349,7 +407,7 @@ def test_middle_stage_on_cuda_matches_whole_sequences(plan: Plan, attention: str
     y = run_pipeline_local([stage], x_sl, plan, grad_output=grad_out, attention=attention)
     # Compared where the reference lives (see the next test for where the output is).
     assert_scaled_close(y.to(y_ref.device), y_ref, what="output")
-    assert x_sl.grad is not None and x_sl.grad.device.type == "cuda"
+    assert x_sl.grad is not None and x_sl.grad.device.type == DEVICE
     assert_scaled_close(x_sl.grad, x_grad_ref, what="input grad")
     for name, p in stage.named_parameters():
         assert_scaled_close(p.grad, ref_grads[name], what=name)

@@ -20,10 +20,12 @@ that pass, so the first slice's forward does not clear what they accumulated.
 
 Two implementations of a slice's attention, chosen by :func:`slice_attention`:
 
-- ``"split"`` (CPU): attention over the context ``[0, start)`` without a mask and over the
-  slice itself with the causal kernel, merged by their log-sum-exp. Backward gives each
-  part the merged output and log-sum-exp, which makes the parts' gradients exact. Masked
-  attention is several times slower than these two kernels on CPU.
+- ``"split"`` (CPU only): attention over the context ``[0, start)`` without a mask and
+  over the slice itself with the causal kernel, merged by their log-sum-exp. Backward
+  gives each part the merged output and log-sum-exp, which makes the parts' gradients
+  exact. Masked attention is several times slower than these two kernels on CPU. Its
+  kernel (``_scaled_dot_product_flash_attention_for_cpu``) exists for CPU tensors only,
+  so a context on another device refuses it.
 - ``"masked"`` (any device): one attention call over ``[0, end)`` with a bottom-right
   causal mask; CUDA's fused kernels take that mask natively.
 """
@@ -41,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "attention_impls",
     "LayerContext",
     "ProbsDropout",
     "StageContext",
@@ -53,6 +56,11 @@ __all__ = [
 ProbsDropout = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 ATTENTION_IMPLS = ("split", "masked")
+
+
+def attention_impls(device: torch.device | str) -> tuple[str, ...]:
+    """The slice-attention implementations that run on ``device``."""
+    return ATTENTION_IMPLS if torch.device(device).type == "cpu" else ("masked",)
 
 
 class LayerContext:
@@ -74,6 +82,12 @@ class LayerContext:
     ) -> None:
         if impl is not None and impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
+        if impl is not None and impl not in attention_impls(device):
+            raise ValueError(
+                f"attention impl {impl!r} runs on CPU tensors only (its kernel is "
+                f"_scaled_dot_product_flash_attention_for_cpu), not on {device}: choose one of "
+                f"{attention_impls(device)} or None (the device's default)"
+            )
         self.impl = impl  # None: the fastest for the device
         self.recomputing = False  # a forward run again inside backward: keep the grads
         shape = (batch, n_head, seq_len, head_dim)
@@ -228,6 +242,8 @@ def slice_attention(
         "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
     )
     if impl == "split":
+        if q.device.type != "cpu":  # a CPU context written into from another device
+            raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")
         return _SplitAttention.apply(q, k, v, layer, start)
     if impl == "masked":
         keys, values = _AppendKV.apply(k, v, layer, start)
