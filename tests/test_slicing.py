@@ -239,3 +239,20 @@ def test_full_recomputation_saves_nothing_until_backward() -> None:
         saved[recompute] = dict(counts)
     assert saved["none"]["forward"] > 0 and saved["none"]["backward"] == 0
     assert saved["full"] == {"forward": 0, "backward": saved["none"]["forward"]}
+
+
+def test_an_executor_sets_its_stores_on_the_stage_either_way() -> None:
+    """A stage a split-backward executor ran keeps no deferring store once a plain one
+    takes it over (its products then accumulate as they would have), and the context
+    dtype a chain asks for is the one its contexts get."""
+    from tplib.linear import Linear
+
+    stage = build_model(CFG, seed=1)
+    plan = Plan.uniform(2, 16, n_token_slices=2)
+    split = SliceExecutor(stage, plan, split_backward=True)
+    products = [m for m in stage.modules() if isinstance(m, Linear)]
+    assert products and all(m.deferred is split.deferred is not None for m in products)
+    SliceExecutor(stage, plan, dtype=torch.float64)
+    assert all(m.deferred is None for m in products)
+    plain = SliceExecutor(stage, plan, dtype=torch.bfloat16)
+    assert plain.context(0)[0].k.dtype == torch.bfloat16

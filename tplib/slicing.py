@@ -116,9 +116,10 @@ class SliceExecutor:
         self.deferred: DeferredWeightGrads | None = None
         if split_backward:
             self.deferred = DeferredWeightGrads(hold)
-            for module in stage.modules():
-                if isinstance(module, Linear):
-                    module.deferred = self.deferred
+        for module in stage.modules():
+            # Set either way: a stage an earlier split-backward executor ran keeps no store.
+            if isinstance(module, Linear):
+                module.deferred = self.deferred
 
     def context(self, b: int) -> StageContext:
         """Batch slice ``b``'s K/V context, allocated once and reused every iteration
@@ -249,12 +250,14 @@ def run_pipeline_local(
     recompute: str = "none",
     dropout: DropoutKey | None = None,
     split_backward: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Forward and backward a batch through ``stages`` chained in this process: every unit
     forward through every stage, then every unit backward in reverse order (with
     ``split_backward``: input gradients only, then each sequence's weight gradients in
     one product per weight). ``dropout``: train with dropout, keyed for row 0 of ``x``
-    (see :mod:`tplib.dropout`).
+    (see :mod:`tplib.dropout`). ``dtype``: the K/V contexts' (default the parameters';
+    bfloat16 under bf16 autocast, as the runtime keeps them).
 
     ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
     grad, its gradient is accumulated in ``x.grad``. A chain from the first stage to the
@@ -283,6 +286,7 @@ def run_pipeline_local(
             attention=attention,
             recompute=recompute,
             split_backward=split_backward,
+            dtype=dtype,
         )
         for s in stages
     ]
