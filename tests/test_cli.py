@@ -56,6 +56,9 @@ def test_profile_then_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "held-out error" in printed and "b=2" in printed
+    # What it timed: on CPU an fp32 run's precision, tiny's dropout (none), the default
+    # attention.
+    assert "on cpu, precision fp32, attention default, dropout 0," in printed
     prof = Profile.load(out)
     assert prof.batch_slice_sizes == (1, 2) and prof.layers_per_stage == 1
     assert (prof.link_bandwidth, prof.link_latency) == (1e8, 1e-4)
@@ -67,6 +70,7 @@ def test_profile_then_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert sum(result["batch_slices"]) == 4
     assert all(sum(ts) == 64 for ts in result["token_slices"])
     assert Plan.from_paper(result["paper"]).batch == 4
+    assert (result["precision"], result["attention"], result["dropout"]) == ("fp32", "default", 0)
     assert result["latency"] > 0 and 0 <= result["plan_seconds"] < 60
     assert result["uniform"]["latency"] > 0
     assert result["speedup_vs_uniform"] == pytest.approx(
@@ -139,6 +143,49 @@ def test_profile_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
     assert main(["profile", *args, "--quiet", "--out", str(tmp_path / "p.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_times_the_precision_and_dropout_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bf16.json"
+    args = ["profile", "--model", "tiny", "--seq-len", "16", "--granularity", "4"]
+    args += ["--repeats", "1", "--threads", "1", "--quiet", "--out", str(out)]
+    assert main([*args, "--dtype", "bf16", "--dropout", "0.1"]) == 0
+    assert "precision bf16, attention math, dropout 0.1," in capsys.readouterr().out
+    prof = Profile.load(out)
+    assert (prof.precision, prof.attention, prof.dropout) == ("bf16", "math", 0.1)
+    # tiny trains without dropout: planning a run of it on this profile says so.
+    plan = ["plan", "--profile", str(out), "--seq-len", "16", "--batch", "1", "--stages", "2"]
+    assert main(plan) == 0
+    captured = capsys.readouterr()
+    assert "(tiny on cpu, precision bf16, attention math, dropout 0.1)" in captured.out
+    assert captured.err == (
+        f"warning: profile {out} timed dropout 0.1, but tiny trains with dropout 0: a run of "
+        "it pays another cost than the plan is priced on (re-profile with --dropout 0)\n"
+    )
+    assert main([*args, "--attention", "split"]) == 0
+    assert "precision fp32, attention split, dropout 0," in capsys.readouterr().out
+    assert main(plan) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--dtype", "fp16"], "precision 'fp16' needs device='cuda', got device='cpu'"),
+        (["--attention", "split", "--dropout", "0.1"], "attention='split' with dropout=0.1"),
+        (["--dropout", "1"], "argument --dropout: 1 is not < 1"),
+        (["--dtype", "float32"], "argument --dtype: invalid choice: 'float32'"),
+    ],
+)
+def test_profile_refuses_what_no_run_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    args = ["profile", "--model", "tiny", "--device", "cpu", *extra]
+    assert main([*args, "--quiet", "--out", str(tmp_path / "p.json")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
 
@@ -393,6 +440,8 @@ BAD: dict[str, st.SearchStrategy[str]] = {
     "device": st.text(max_size=6).filter(lambda t: t not in {"cpu", "cuda"}),
     "recompute": st.text(max_size=6).filter(lambda t: t not in {"none", "full"}),
     "method": st.text(max_size=6).filter(lambda t: t not in {"exact", "paper"}),
+    "rate": st.one_of(NOT_FLOAT, NOT_FINITE, st.floats(min_value=1).map(str), st.floats(max_value=-1e-300).map(str)),
+    "attention": st.text(max_size=6).filter(lambda t: t not in {"split", "masked"}),
 }  # fmt: skip
 
 
@@ -431,7 +480,8 @@ PROFILE = ["profile", "--model", "tiny", "--seq-len", "64", "--quiet", "--out", 
 PROFILE_OPTIONS = {
     "--model": "model", "--layers": "count", "--seq-len": "count", "--batch": "count",
     "--granularity": "count", "--repeats": "count", "--rounds": "count", "--threads": "count",
-    "--link-bandwidth": "positive", "--link-latency": "nonneg",
+    "--link-bandwidth": "positive", "--link-latency": "nonneg", "--dtype": "precision",
+    "--dropout": "rate", "--attention": "attention",
 }  # fmt: skip
 
 

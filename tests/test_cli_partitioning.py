@@ -133,6 +133,14 @@ def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFi
     assert "exactly one of --model" in capsys.readouterr().err
     assert main(["partition", "--planner", "gpipe", "--profiles", "missing.json"]) == 2
     assert "cannot read profile missing.json" in capsys.readouterr().err
+    # A format-2 file timed in bfloat16 weights says no run's precision: its memory
+    # cannot be priced.
+    old = json.loads(Path(files[0]).read_text())
+    for field in ("precision", "attention", "dropout"):
+        del old[field]
+    Path(files[0]).write_text(json.dumps(old | {"format": "tplib.profile/2", "dtype": "bfloat16"}))
+    assert main([*argv, "--planner", "gpipe", "--stages", "2"]) == 2
+    assert f"profile {files[0]} does not say which precision it timed" in capsys.readouterr().err
 
 
 # ---- bad input, generated (the harness is test_cli's) ---------------------------------

@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tplib.perfmodel import (
     DEFAULT_LINK_LATENCY,
     Profile,
     ProfileError,
+    ProfileMismatchWarning,
     build_profile,
     context_points,
     context_time,
@@ -136,8 +138,11 @@ def test_comm_time_is_two_transfers_of_the_activations() -> None:
     prof = analytic_profile(link_bandwidth=1e9, link_latency=1e-5)
     nbytes = 2 * 16 * TINY.hidden * 4  # b * l * hidden * float32
     assert prof.comm_time(2, 16) == pytest.approx(2 * (nbytes / 1e9 + 1e-5))
-    bf16 = analytic_profile(link_bandwidth=1e9, link_latency=1e-5, dtype="bfloat16")
-    assert bf16.comm_time(2, 16) == pytest.approx(2 * (nbytes / 2 / 1e9 + 1e-5))
+    # The runtime sends the parameters' dtype: float32 under bf16 autocast, float16 in fp16.
+    bf16 = analytic_profile(link_bandwidth=1e9, link_latency=1e-5, precision="bf16")
+    assert bf16.comm_time(2, 16) == pytest.approx(2 * (nbytes / 1e9 + 1e-5))
+    fp16 = analytic_profile(link_bandwidth=1e9, link_latency=1e-5, precision="fp16")
+    assert fp16.comm_time(2, 16) == pytest.approx(2 * (nbytes / 2 / 1e9 + 1e-5))
     default = analytic_profile()
     assert (default.link_bandwidth, default.link_latency) == (2e9, 50e-6)
     assert (DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY) == (2e9, 50e-6)
@@ -158,8 +163,18 @@ def test_bad_profiles_are_refused() -> None:
         analytic_profile(stage=(2, 9))
     with pytest.raises(ProfileError, match=r"stage \[0, 2\) holds 2 layers, not .*=1"):
         analytic_profile(stage=(0, 2))
-    with pytest.raises(ProfileError, match="dtype 'float8'"):
-        analytic_profile(dtype="float8")
+    with pytest.raises(ProfileError, match=r"precision 'fp8': choose one of \('fp32'"):
+        analytic_profile(precision="fp8")
+    with pytest.raises(ProfileError, match=r"attention 'flash': choose one of \('default'"):
+        analytic_profile(attention="flash")
+    for dropout in (1.0, -0.1, "0.1", True):
+        with pytest.raises(ProfileError, match=r"dropout="):
+            analytic_profile(dropout=dropout)
+    # A stage that drops writes attention out; one that does not never does.
+    with pytest.raises(ProfileError, match=r"attention 'default' with dropout=0.1: .*exactly"):
+        analytic_profile(dropout=0.1)
+    with pytest.raises(ProfileError, match=r"attention 'math' with dropout=0.0"):
+        analytic_profile(attention="math")
     with pytest.raises(ProfileError, match="link_bandwidth=0"):
         analytic_profile(link_bandwidth=0)
 
@@ -172,7 +187,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     prof.save(path)
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temp file left behind
-    assert json.loads(path.read_text())["format"] == "tplib.profile/2"
+    assert json.loads(path.read_text())["format"] == "tplib.profile/3"
     loaded = Profile.load(path)
     assert loaded == prof
     s, c = np.meshgrid(np.arange(8, 65, 8), np.arange(0, 57, 8))
@@ -199,6 +214,67 @@ def test_format_1_files_still_load(tmp_path: Path) -> None:
     path.write_text(json.dumps(d))
     with pytest.raises(ProfileError, match="format"):
         Profile.load(path)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [("float32", "fp32"), ("float16", "fp16"), ("bfloat16", "unknown"), (None, "fp32")],
+)
+def test_format_2_files_load_with_what_their_timer_timed(
+    tmp_path: Path, dtype: str | None, precision: str
+) -> None:
+    """Format 2 recorded the dtype the stage was built in, and its timer never dropped and
+    took the device's default attention. A bfloat16 stage is no run's precision (bf16 runs
+    keep float32 weights under autocast): unknown."""
+    d = json.loads(json.dumps(analytic_profile().to_dict()))
+    for new in ("precision", "attention", "dropout"):
+        del d[new]
+    d["format"] = "tplib.profile/2"
+    if dtype is not None:  # absent: the format's default, float32
+        d["dtype"] = dtype
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(d))
+    loaded = Profile.load(path)
+    assert (loaded.precision, loaded.attention, loaded.dropout) == (precision, "default", 0.0)
+    assert loaded.times == analytic_profile().times
+
+
+def test_differences_name_what_was_timed_and_what_the_run_does() -> None:
+    prof = analytic_profile()  # cpu, fp32, the default attention, no dropout
+    assert prof.differences(precision="fp32", dropout=0.0, device="cpu") == []
+    assert prof.differences(precision="fp16", dropout=0.1, device="cuda:1") == [
+        "device: the profile timed 'cpu', the run 'cuda'",
+        "precision: the profile timed 'fp32', the run 'fp16'",
+        "attention: the profile timed 'default', the run 'math'",
+        "dropout: the profile timed '0', the run '0.1'",
+    ]
+    gpu = Profile.from_dict(
+        {**prof.to_dict(), "device": "cuda:0", "precision": "fp16", "attention": "math"}
+        | {"dropout": 0.1}
+    )
+    assert gpu.differences(precision="fp16", dropout=0.1, device="cuda") == []
+    named = Profile.from_dict({**prof.to_dict(), "attention": "masked"})
+    assert named.differences(precision="fp32", dropout=0.0, device="cpu") == [
+        "attention: the profile timed 'masked', the run 'default'"
+    ]
+    old = Profile.from_dict({**prof.to_dict(), "precision": "unknown"})
+    assert old.differences(precision="bf16", dropout=0.0, device="cpu") == [
+        "precision: the profile does not say (an older file), the run 'bf16'"
+    ]
+
+
+def test_check_run_warns_naming_both_and_how_to_reprofile() -> None:
+    prof = analytic_profile()
+    with pytest.warns(ProfileMismatchWarning) as caught:
+        diffs = prof.check_run(precision="fp16", dropout=0.1, device="cuda", source="p.json")
+    (warning,) = caught
+    text = str(warning.message)
+    assert text.startswith("p.json timed cpu, precision fp32, attention default, dropout 0, ")
+    assert all(d in text for d in diffs) and len(diffs) == 4
+    assert "python -m tplib profile --device cuda --dtype fp16 --dropout 0.1" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prof.check_run(precision="fp32", dropout=0.0, device="cpu") == []
 
 
 def test_requests_outside_the_profile_name_the_point() -> None:

@@ -4,16 +4,19 @@ comes from the named source, and :func:`launch_commands` starts it on the paper'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shlex
 import stat
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 
-from tplib.paper import SETTINGS, TERAPIPE, main_row, seqlen_row
+from tplib.paper import SETTINGS, TERAPIPE, main_row, seqlen_row, setting
+from tplib.perfmodel import ProfileError, ProfileMismatchWarning, build_profile
 from tplib.plan import Plan
 from tplib.runtime import RunConfig, load_run_config, save_run_config
 from tplib.runtime.layouts import launch_commands, setting_plan
@@ -112,6 +115,44 @@ def test_unknown_plan_source_is_named(source: str) -> None:
         RunConfig.for_setting(9, plan=source)
     with pytest.raises(ValueError, match=rf"plan source {source!r}"):
         setting_plan(9, source)
+
+
+def test_a_profile_that_timed_another_run_is_warned_about(tmp_path: Path) -> None:
+    """Setting (9) trains in fp16 on CUDA with GPT-3's dropout 0.1 (attention written out):
+    a plan priced on a profile of anything else is named, difference by difference, before
+    it is planned. The profile covers 1024 of the setting's 2048 tokens, so that planning
+    then stops at once (planning L = 2048 at g = 8 takes seconds)."""
+    s = setting(9)
+    cpu = build_profile(
+        lambda b, length, c: 1e-3 + 1e-6 * b * length * (1 + c / 512),
+        config=s.config,
+        layers_per_stage=2,
+        seq_len=1024,
+        granularity=8,
+    )
+    path = tmp_path / "cpu.json"
+    cpu.save(path)
+    with pytest.warns(ProfileMismatchWarning) as caught, pytest.raises(ProfileError):
+        RunConfig.for_setting(9, plan=str(path))
+    (warning,) = caught
+    text = str(warning.message)
+    assert text.startswith(f"profile {path} timed cpu, precision fp32, attention default")
+    for difference in (
+        "device: the profile timed 'cpu', the run 'cuda'",
+        "precision: the profile timed 'fp32', the run 'fp16'",
+        "attention: the profile timed 'default', the run 'math'",
+        "dropout: the profile timed '0', the run '0.1'",
+    ):
+        assert difference in text
+    # A run in bf16 is compared in bf16; a profile of the run itself raises no warning.
+    with pytest.warns(ProfileMismatchWarning, match="the run 'bf16'"), pytest.raises(ProfileError):
+        RunConfig.for_setting(9, plan=str(path), precision="bf16")
+    gpu = {"device": "cuda:0", "precision": "fp16", "attention": "math", "dropout": 0.1}
+    dataclasses.replace(cpu, **gpu).save(path)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would be raised before the plan's error
+        with pytest.raises(ProfileError, match="beyond the profile's seq_len L=1024"):
+            RunConfig.for_setting(9, plan=str(path))
 
 
 @pytest.mark.parametrize("n", SETTING_IDS)

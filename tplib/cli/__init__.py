@@ -35,7 +35,9 @@ from collections.abc import Callable, Sequence
 from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.planning import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
-from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, DTYPE_BYTES
+from tplib.config import PRECISIONS
+from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
+from tplib.perfmodel.profile import IMPLS
 from tplib.tables import TABLE_NAMES
 
 __all__ = ["INT_LIMIT", "build_parser", "integer", "main", "number"]
@@ -86,6 +88,14 @@ def number(least: float, *, above: bool = False) -> Callable[[str], float]:
 COUNT, ANY_INT = integer(1), integer()
 
 
+def _rate(text: str) -> float:
+    """An argparse type: a rate in [0, 1), as a dropout probability is."""
+    x = number(0)(text)
+    if x >= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not < 1")
+    return x
+
+
 def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("profile", help="time one pipeline stage and save a profile (JSON)")
     p.add_argument("--model", required=True, help="named config, e.g. tiny, small, GPT3-1B")
@@ -101,7 +111,22 @@ def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="sweeps in random order (min); >1 on a shared machine",
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    # What a run of the model does, since the plan is priced on it.
+    p.add_argument(
+        "--dtype",
+        choices=PRECISIONS,
+        help="the run's precision: fp32, bf16 (autocast) or fp16 (CUDA); default fp16 on "
+        "CUDA (as `run`), fp32 on CPU",
+    )
+    p.add_argument(
+        "--dropout", type=_rate, help="dropout rate to train with (default: the model's)"
+    )
+    p.add_argument(
+        "--attention",
+        choices=IMPLS,
+        help="slice attention (default: the runtime's for the device; with dropout it is "
+        "written out)",
+    )
     p.add_argument(
         "--link-bandwidth",
         type=number(0, above=True),

@@ -17,7 +17,7 @@ from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
 from tplib.partition.simulated import twobw_simulated
 from tplib.partition.twobw import twobw_plan
-from tplib.perfmodel.profile import Profile
+from tplib.perfmodel.profile import UNKNOWN, Profile
 
 __all__ = ["autoplan_command", "partition_command"]
 
@@ -91,7 +91,7 @@ def _source(args: argparse.Namespace) -> Source:
     first = profiles[0]
     return Source(
         lambda b: profile_chain(
-            profiles, microbatch=b, seq_len=args.seq_len, precision=_precision(first.dtype),
+            profiles, microbatch=b, seq_len=args.seq_len, precision=_precision(first, args),
             capacity=capacity,
         ),
         Topology.flat(args.gpus, first.link_bandwidth, f"{args.gpus} local processes"),
@@ -100,8 +100,15 @@ def _source(args: argparse.Namespace) -> Source:
     )  # fmt: skip
 
 
-def _precision(dtype: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+def _precision(prof: Profile, args: argparse.Namespace) -> str:
+    """The precision the profiles timed, which prices each stage's memory."""
+    if prof.precision == UNKNOWN:
+        raise ValueError(
+            f"profile {args.profiles[0]} does not say which precision it timed (an older "
+            "file timed in bfloat16): re-profile it with python -m tplib profile --dtype "
+            "fp32, bf16 or fp16"
+        )
+    return prof.precision
 
 
 def _gpipe(args: argparse.Namespace, src: Source) -> Report:

@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tplib.costs import SliceCostModel
 from tplib.plan import Plan
 from tplib.planner import best_uniform, pipeline_latency, plan
 
+if TYPE_CHECKING:
+    from tplib.perfmodel import Profile
+
 __all__ = ["plan_command", "profile_command", "simulate_command"]
 
 
 def profile_command(args: argparse.Namespace) -> int:
+    import torch  # times with torch: import only when asked
+
     from tplib.config import get_config
-    from tplib.perfmodel import profile_stage  # times with torch: import only when asked
+    from tplib.perfmodel import profile_stage
 
     cfg = get_config(args.model)
     if args.layers > cfg.n_layer:  # the timer would build them all (10**20 filled memory)
@@ -26,6 +32,10 @@ def profile_command(args: argparse.Namespace) -> int:
             f"--layers {args.layers} is more than {cfg.name}'s {cfg.n_layer} layers: a stage "
             "holds at most the whole model"
         )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # What a run of the model does: fp16 on a GPU (the paper's V100 recipe, `run`'s
+    # default), fp32 on CPU; the model's dropout (profile_stage's None).
+    precision = args.dtype or ("fp16" if device.startswith("cuda") else "fp32")
     prof = profile_stage(
         args.model,
         layers_per_stage=args.layers,
@@ -34,8 +44,10 @@ def profile_command(args: argparse.Namespace) -> int:
         granularity=args.granularity,
         repeats=args.repeats,
         rounds=args.rounds,
-        device=args.device,
-        dtype=args.dtype,
+        device=device,
+        precision=precision,
+        dropout=args.dropout,
+        attention=args.attention,
         link_bandwidth=args.link_bandwidth,
         link_latency=args.link_latency,
         threads=args.threads,
@@ -43,8 +55,8 @@ def profile_command(args: argparse.Namespace) -> int:
     )
     prof.save(args.out)
     print(
-        f"profiled {prof.config.name}: {prof.layers_per_stage} layer(s) on {prof.device} "
-        f"({prof.dtype}), L={prof.seq_len}, g={prof.granularity}, "
+        f"profiled {prof.config.name}: {prof.layers_per_stage} layer(s) on {prof.timed()}, "
+        f"L={prof.seq_len}, g={prof.granularity}, "
         f"batch slice sizes {list(prof.batch_slice_sizes)} -> {args.out}"
     )
     errors = zip(prof.batch_slice_sizes, prof.holdout_error, prof.holdout_error_ctx, strict=True)
@@ -180,16 +192,33 @@ def plan_command(args: argparse.Namespace) -> int:
         "profile": str(args.profile),
         "model": prof.config.name,
         "device": prof.device,
+        "precision": prof.precision,
+        "attention": prof.attention,
+        "dropout": prof.dropout,
         "seq_len": args.seq_len,
         "pipeline_batch": args.batch,
         "n_stages": args.stages,
         "granularity": g,
     }
     header = (
-        f"profile {args.profile} ({prof.config.name} on {prof.device}): K={args.stages}, "
+        f"profile {args.profile} ({prof.config.name} on {prof.timed()}): K={args.stages}, "
         f"L={args.seq_len}, B={args.batch}, g={g}"
     )
+    _warn_dropout(args.profile, prof)
     return _report(args, header, meta, prof, p, uni, args.stages, seconds)
+
+
+def _warn_dropout(path: str, prof: Profile) -> None:
+    """A run of the profiled model trains with its dropout: say so when the profile timed
+    another rate (the precision and device a run will use are not known here)."""
+    if prof.dropout != prof.config.dropout:
+        print(
+            f"warning: profile {path} timed dropout {prof.dropout:g}, but "
+            f"{prof.config.name} trains with dropout {prof.config.dropout:g}: a run of it "
+            "pays another cost than the plan is priced on (re-profile with --dropout "
+            f"{prof.config.dropout:g})",
+            file=sys.stderr,
+        )
 
 
 def simulate_command(args: argparse.Namespace) -> int:

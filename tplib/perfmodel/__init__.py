@@ -21,25 +21,29 @@ from typing import TYPE_CHECKING, Any
 
 from tplib.perfmodel.build import build_profile, context_points, smooth_lengths
 from tplib.perfmodel.profile import (
+    ATTENTIONS,
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY,
-    DTYPE_BYTES,
+    WIRE_BYTES,
     Profile,
     ProfileError,
+    ProfileMismatchWarning,
     context_time,
     fit_context,
+    run_attention,
 )
 
 if TYPE_CHECKING:
-    from tplib.perfmodel.timer import DTYPES, StageTimer, profile_pipeline, profile_stage
+    from tplib.perfmodel.timer import StageTimer, profile_pipeline, profile_stage
 
 __all__ = [
+    "ATTENTIONS",
     "DEFAULT_LINK_BANDWIDTH",
     "DEFAULT_LINK_LATENCY",
-    "DTYPES",
-    "DTYPE_BYTES",
+    "WIRE_BYTES",
     "Profile",
     "ProfileError",
+    "ProfileMismatchWarning",
     "StageTimer",
     "build_profile",
     "context_points",
@@ -47,10 +51,11 @@ __all__ = [
     "fit_context",
     "profile_pipeline",
     "profile_stage",
+    "run_attention",
     "smooth_lengths",
 ]
 
-_TIMER = ("DTYPES", "StageTimer", "profile_pipeline", "profile_stage")  # these need torch
+_TIMER = ("StageTimer", "profile_pipeline", "profile_stage")  # these need torch
 
 
 def __getattr__(name: str) -> Any:

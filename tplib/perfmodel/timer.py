@@ -10,12 +10,20 @@ forward's share of forward+backward and the stage's optimizer step.
 A profile times either a middle stage of ``layers_per_stage`` blocks (what the paper's
 uniform stages are) or an actual stage ``[lo, hi)`` of a K-stage pipeline: the first
 stage with the embeddings, the last with the LM head and loss.
+
+It times what a run does, since a plan is priced on it: the run's ``precision`` (fp32;
+bf16 autocast over fp32 parameters; fp16 parameters whose gradients accumulate in fp32
+main grads, as :mod:`tplib.precision` and the runtime do), the model's ``dropout`` (keyed
+masks through a :class:`~tplib.dropout.DropoutKey`, with the attention written out, as
+the runtime's executor trains), and the attention implementation the runtime picks for
+the device unless one is named. The profile records all three.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -23,8 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tplib.config import GPTConfig, get_config
-from tplib.context import StageContext
+from tplib.config import GPTConfig, check_precision, get_config
+from tplib.context import StageContext, attention_impls
+from tplib.dropout import DropoutKey
 from tplib.linear import Linear
 from tplib.machine import threads_per_process
 from tplib.model import build_model
@@ -32,18 +41,19 @@ from tplib.perfmodel.build import build_profile
 from tplib.perfmodel.profile import (
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY,
-    DTYPE_BYTES,
     Profile,
     ProfileError,
     grid_steps,
+    run_attention,
 )
 from tplib.plan import Unit
+from tplib.precision import DECAY_RULES, attach_main_grads, autocast, make_optimizer, param_dtype
+from tplib.runtime.config import RunConfig
 from tplib.stages import balanced_stages, check_stage_range, check_stage_ranges
-from tplib.wgrad import DeferredWeightGrads
+from tplib.wgrad import DeferredWeightGrads, grad_buffer
 
-__all__ = ["DTYPES", "StageTimer", "profile_pipeline", "profile_stage"]
+__all__ = ["StageTimer", "profile_pipeline", "profile_stage"]
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 WGRAD_REPEATS = 3  # the fewest timed runs wgrad_fraction takes its median over
 
 
@@ -56,8 +66,15 @@ class StageTimer:
     takes token ids and embeds them, the last computes the LM head and the summed
     cross-entropy and starts backward from that loss, as the runtime does.
 
+    It runs as a run in ``precision`` does (see the module docstring): fp16 gradients
+    into fp32 main grads, bf16 forward and backward under autocast, each call one autocast
+    region whose weight casts the warm-up runs absorb (a run caches them per iteration).
+    It trains with dropout ``dropout`` (None: the model's, ``cfg.dropout``), and its
+    attention is ``attention`` (None: the runtime's default for the device; with dropout
+    it is written out and cannot be named). :attr:`attention_timed` says which.
+
     Every call also records the forward's share of the time (``forward_fractions``), and
-    :meth:`optimizer_time` times the stage's AdamW step.
+    :meth:`optimizer_time` times the stage's optimizer step.
     """
 
     def __init__(
@@ -67,7 +84,9 @@ class StageTimer:
         *,
         seq_len: int,
         device: str = "cpu",
-        dtype: str = "float32",
+        precision: str = "fp32",
+        dropout: float | None = None,
+        attention: str | None = None,
         repeats: int = 5,
         warmup: int = 1,
         seed: int = 0,
@@ -89,14 +108,32 @@ class StageTimer:
                 "need layers_per_stage >= 1, repeats >= 1, warmup >= 0: "
                 f"{layers_per_stage, repeats, warmup}"
             )
-        if dtype not in DTYPES:
-            raise ProfileError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
         try:
             dev = torch.device(device)
         except RuntimeError:
             raise ProfileError(f"unknown device {device!r}: use cpu or cuda") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ProfileError(f"device {device!r}: CUDA is not available here, use cpu")
+        try:
+            check_precision(precision, dev.type)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        dropout = cfg.dropout if dropout is None else dropout
+        if isinstance(dropout, bool) or not (
+            isinstance(dropout, int | float) and 0.0 <= dropout < 1.0
+        ):
+            raise ProfileError(f"dropout={dropout!r}: must be a rate in [0, 1)")
+        if attention is not None and attention not in attention_impls(dev):
+            raise ProfileError(
+                f"attention {attention!r} on {dev.type}: choose one of {attention_impls(dev)}, "
+                "or None for the runtime's default on the device"
+            )
+        if attention is not None and dropout > 0:
+            raise ProfileError(
+                f"attention={attention!r} with dropout={dropout}: a stage that drops writes "
+                "attention out (tplib.context.math_attention), as a run does; leave attention "
+                "None, or time without dropout (dropout=0)"
+            )
         if stage is None:
             # A middle stage is blocks [1, 1 + n) of a model with layers after them; a small
             # config gets more layers, which changes only init scales, not the time.
@@ -105,49 +142,80 @@ class StageTimer:
             lo, hi = 1, 1 + n
         else:
             big = cfg
-        self.stage = build_model(big, lo, hi, seed=seed, device=device, dtype=DTYPES[dtype])
-        self.device, self.dtype, self.seq_len = dev, DTYPES[dtype], seq_len
+        big = big.with_(dropout=dropout)
+        self.dtype = param_dtype(precision)
+        self.stage = build_model(big, lo, hi, seed=seed, device=device, dtype=self.dtype)
+        if precision == "fp16":  # as the optimizer attaches them in a run
+            attach_main_grads(self.stage.parameters())
+        self.device, self.precision, self.seq_len = dev, precision, seq_len
+        self.dropout, self.attention = dropout, attention
+        # The K/V context in the dtype attention computes in, as the runtime's executor.
+        self.context_dtype = torch.bfloat16 if precision == "bf16" else self.dtype
+        self._key = DropoutKey.for_iteration(seed, 0) if dropout > 0 else None
         self.repeats, self.warmup = repeats, warmup
         self.forward_fractions: list[float] = []
         self._contexts: dict[int, StageContext] = {}
+
+    @property
+    def attention_timed(self) -> str:
+        """The attention implementation timed, as a :class:`Profile` records it."""
+        if self.dropout > 0:
+            return run_attention(self.dropout)
+        return self.attention or "default"
+
+    def _context(self, batch: int) -> StageContext:
+        if batch not in self._contexts:  # one batch size at a time: bounded memory
+            self._contexts = {batch: self._new_context(batch)}
+        return self._contexts[batch]
+
+    def _new_context(self, batch: int) -> StageContext:
+        return self.stage.new_context(
+            batch, self.seq_len, dtype=self.context_dtype, attention=self.attention
+        )
+
+    def _autocast(self) -> AbstractContextManager[object]:
+        return autocast(self.precision, self.device.type)
+
+    def _forward(self, x: Tensor, start: int, ctx: StageContext, targets: Tensor | None) -> Tensor:
+        return self.stage(x, start=start, context=ctx, targets=targets, dropout=self._key)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _inputs(self, batch: int, length: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The stage's input, the targets (last stage) and the output gradient (others)."""
-        cfg, opts = self.stage.cfg, {"device": self.device, "dtype": self.dtype}
+        """The stage's input, the targets (last stage) and the output gradient (others), in
+        the dtype that travels between stages (the parameters')."""
+        cfg, shape = self.stage.cfg, (batch, length, self.stage.cfg.hidden)
         if self.stage.is_first:
             x = torch.randint(0, cfg.vocab_size, (batch, length), device=self.device)
         else:
-            x = torch.randn(batch, length, cfg.hidden, **opts, requires_grad=True)
+            x = torch.randn(shape, device=self.device, dtype=self.dtype, requires_grad=True)
         if self.stage.is_last:
             targets = torch.randint(0, cfg.vocab_size, (batch, length), device=self.device)
             return x, targets, None
-        return x, None, torch.randn(batch, length, cfg.hidden, **opts)
+        return x, None, torch.randn(shape, device=self.device, dtype=self.dtype)
 
     def __call__(self, batch: int, length: int, context: int) -> float:
-        if batch not in self._contexts:  # one batch size at a time: bounded memory
-            self._contexts = {batch: self.stage.new_context(batch, self.seq_len)}
-        ctx = self._contexts[batch]
+        ctx = self._context(batch)
         # Earlier slices would have left finite keys/values in [0, c); random ones cost the same.
         for layer in ctx.layers.values():
             layer.k[:, :, :context].normal_()
             layer.v[:, :, :context].normal_()
         x, targets, grad = self._inputs(batch, length)
         times, forwards = [], []
-        for _ in range(self.warmup + self.repeats):
-            x.grad = None
-            self._sync()
-            t0 = time.perf_counter()
-            out = self.stage(x, start=context, context=ctx, targets=targets)
-            self._sync()
-            t1 = time.perf_counter()
-            out.backward(grad)  # grad is None for the last stage's scalar loss
-            self._sync()
-            times.append(time.perf_counter() - t0)
-            forwards.append(t1 - t0)
+        with self._autocast():
+            for _ in range(self.warmup + self.repeats):
+                x.grad = None
+                self._sync()
+                t0 = time.perf_counter()
+                out = self._forward(x, context, ctx, targets)
+                self._sync()
+                t1 = time.perf_counter()
+                out.backward(grad)  # grad is None for the last stage's scalar loss
+                self._sync()
+                times.append(time.perf_counter() - t0)
+                forwards.append(t1 - t0)
         total = float(np.median(times[self.warmup :]))
         self.forward_fractions.append(float(np.median(forwards[self.warmup :])) / total)
         return total
@@ -157,18 +225,17 @@ class StageTimer:
         forward+backward of each ``granularity``-token slice at its place in the
         sequence, back to back, every input made before the clock starts."""
         steps = grid_steps(self.seq_len, granularity)
-        if batch not in self._contexts:
-            self._contexts = {batch: self.stage.new_context(batch, self.seq_len)}
-        ctx = self._contexts[batch]
+        ctx = self._context(batch)
         for layer in ctx.layers.values():
             layer.k.normal_()
             layer.v.normal_()
         inputs = [self._inputs(batch, granularity) for _ in range(steps)]
         self._sync()
         t0 = time.perf_counter()
-        for i, (x, targets, grad) in enumerate(inputs):
-            out = self.stage(x, start=i * granularity, context=ctx, targets=targets)
-            out.backward(grad)
+        with self._autocast():
+            for i, (x, targets, grad) in enumerate(inputs):
+                out = self._forward(x, i * granularity, ctx, targets)
+                out.backward(grad)
         self._sync()
         return time.perf_counter() - t0
 
@@ -182,48 +249,64 @@ class StageTimer:
         for m in linears:
             m.deferred = store
         try:
-            ctx = self.stage.new_context(batch, self.seq_len)
+            ctx = self._new_context(batch)
             x, targets, grad = self._inputs(batch, length)
             shares = []
             # One share from one run is at the mercy of one descheduling: at repeats=1 a
             # W that lost its core read as 0.88 of the whole. The median of three is not.
-            for _ in range(self.warmup + max(self.repeats, WGRAD_REPEATS)):
-                x.grad = None
-                self._sync()
-                t0 = time.perf_counter()
-                out = self.stage(x, start=0, context=ctx, targets=targets)
-                with store.collecting(Unit(0, 0)):
-                    out.backward(grad)
-                self._sync()
-                t1 = time.perf_counter()
-                store.compute([Unit(0, 0)])
-                self._sync()
-                t2 = time.perf_counter()
-                shares.append((t2 - t1) / (t2 - t0))
+            with self._autocast():
+                for _ in range(self.warmup + max(self.repeats, WGRAD_REPEATS)):
+                    x.grad = None
+                    self._sync()
+                    t0 = time.perf_counter()
+                    out = self._forward(x, 0, ctx, targets)
+                    with store.collecting(Unit(0, 0)):
+                        out.backward(grad)
+                    self._sync()
+                    t1 = time.perf_counter()
+                    store.compute([Unit(0, 0)])
+                    self._sync()
+                    t2 = time.perf_counter()
+                    shares.append((t2 - t1) / (t2 - t0))
             return float(np.median(shares[self.warmup :]))
         finally:
             for m in linears:
                 m.deferred = None
 
-    def optimizer_time(self, repeats: int = 5, grad_clip: float = 1.0, **adamw: float) -> float:
-        """Median seconds of what the runtime's ``OPT`` action does on this machine: the
-        gradient norm and its clipping (``grad_clip`` > 0; the all-reduce of the norm is
-        communication, not timed here), one AdamW step, and zeroing the gradients, which
-        stay allocated. ``adamw`` are optimizer options (the runtime's: lr, betas, ...)."""
+    def optimizer_time(self, repeats: int = 5, grad_clip: float = 1.0) -> float:
+        """Median seconds of what the runtime's ``OPT`` action does on this machine
+        (:class:`tplib.runtime.update.Update`), in the timer's precision: fp16's unscaling
+        of the main grads, the gradient norm and its clipping (``grad_clip`` > 0; the
+        all-reduces of the overflow flag and the norm are communication, not timed here),
+        one AdamW step with a run's default options (fp16: on the fp32 masters, copied
+        back into the fp16 weights), and zeroing the gradient buffers, which stay
+        allocated."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, **adamw)  # type: ignore[arg-type]
+        opt = make_optimizer(
+            params,
+            self.precision,
+            lr=RunConfig.lr,
+            betas=RunConfig.betas,
+            weight_decay=RunConfig.weight_decay,
+            eps=RunConfig.adam_eps,
+            decay=DECAY_RULES[RunConfig.weight_decay_params],
+        )
+        for p in params:  # allocated once and kept, as Update does
+            if grad_buffer(p) is None:
+                p.grad = torch.zeros_like(p)
+        buffers = [b for b in map(grad_buffer, params) if b is not None]
         times = []
         for _ in range(repeats + 1):  # the first step allocates AdamW's state: not timed
-            for p in params:
-                p.grad = torch.randn_like(p) * 1e-3
+            for b in buffers:
+                b.normal_(0.0, 1e-3)
             self._sync()
             t0 = time.perf_counter()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
-            for p in params:
-                assert p.grad is not None
-                p.grad.zero_()
+            skip = bool(opt.unscale_grads().item())
+            if grad_clip > 0 and not skip:
+                torch.nn.utils.clip_grad_norm_(opt.master_params, grad_clip)
+            opt.step(skip)
+            for b in buffers:
+                b.zero_()
             self._sync()
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
@@ -240,7 +323,9 @@ def profile_stage(
     repeats: int = 5,
     warmup: int = 1,
     device: str | None = None,
-    dtype: str = "float32",
+    precision: str = "fp32",
+    dropout: float | None = None,
+    attention: str | None = None,
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     link_latency: float = DEFAULT_LINK_LATENCY,
     rounds: int = 1,
@@ -256,6 +341,11 @@ def profile_stage(
     ``device`` (CUDA when present, else CPU) for batch slices of ``batch_slice_sizes``
     sequences (default 1..max_batch_slice_size). The profile also records the forward's
     median share of the time and the stage's optimizer step.
+
+    It times what a run in ``precision`` does (``"fp32"``, ``"bf16"`` autocast, ``"fp16"``
+    on CUDA), training with ``dropout`` (None: the model's rate, as a run of it trains),
+    through attention ``attention`` (None: the runtime's default for the device), and
+    records all three (see :class:`StageTimer`).
 
     On a machine shared with other jobs, use ``rounds`` > 1 (each point timed at several
     moments, keeping the least) and ``threads`` (torch's CPU threads while measuring,
@@ -279,7 +369,9 @@ def profile_stage(
         layers_per_stage,
         seq_len=seq_len,
         device=device,
-        dtype=dtype,
+        precision=precision,
+        dropout=dropout,
+        attention=attention,
         repeats=repeats,
         warmup=warmup,
         seed=seed,
@@ -301,7 +393,9 @@ def profile_stage(
             seed=seed,
             desc=desc,
             device=str(timer.device),
-            dtype=dtype,
+            precision=precision,
+            attention=timer.attention_timed,
+            dropout=timer.dropout,
             link_bandwidth=link_bandwidth,
             link_latency=link_latency,
             repeats=repeats,
@@ -337,7 +431,7 @@ def profile_pipeline(
     :class:`~tplib.perfmodel.profile.Profile` per stage: layers ``stage_ranges``
     (default: :func:`~tplib.stages.balanced_stages`), the first with the embeddings, the
     last with the LM head and loss. ``kwargs`` go to :func:`profile_stage` (seq_len,
-    batch_slice_sizes, granularity, repeats, rounds, ...).
+    batch_slice_sizes, granularity, repeats, rounds, precision, dropout, ...).
 
     ``threads`` defaults to what each process of a local pipeline of
     ``n_stages x n_data`` processes gets: a stage timed with all cores runs several

@@ -5,7 +5,9 @@ and #Op, the global batch, eight ranks per node (p3.16xlarge), fp16 (the paper's
 and a plan: the DP planner's on the cluster cost model (``"cluster"``, what the
 simulated tables run), the paper's own printed plan (``"paper"``), GPipe's microbatches
 (``"gpipe"``), or the DP planner's on a measured profile (a path to a profile JSON, from
-``python -m tplib profile`` on the target GPU). :func:`launch_commands` says how to start
+``python -m tplib profile`` on the target GPU; a profile that timed another precision,
+dropout, attention or device than the run's is warned about, since the plan is priced on
+it). :func:`launch_commands` says how to start
 it across nodes with torchrun, directly or under SLURM.
 """
 
@@ -40,9 +42,20 @@ PLAN_SOURCES = ("cluster", "paper", "gpipe")  # or the path of a measured profil
 GPUS_PER_NODE = 8  # p3.16xlarge, the paper's nodes
 
 
-def setting_plan(n: int, source: str | Plan = "cluster", seq_len: int | None = None) -> Plan:
+def setting_plan(
+    n: int,
+    source: str | Plan = "cluster",
+    seq_len: int | None = None,
+    *,
+    precision: str = "fp16",
+    device: str = "cuda",
+) -> Plan:
     """The plan setting ``n`` trains with, from ``source`` (see the module docstring), or
-    ``source`` itself when it is a :class:`~tplib.plan.Plan` (checked to cover B/#Data x L)."""
+    ``source`` itself when it is a :class:`~tplib.plan.Plan` (checked to cover B/#Data x L).
+
+    A profile is checked against the run it plans, in ``precision`` on ``device`` with the
+    model's dropout (:meth:`~tplib.perfmodel.Profile.check_run`: a
+    :class:`~tplib.perfmodel.profile.ProfileMismatchWarning` names both)."""
     s = setting(n, seq_len)
     if isinstance(source, Plan):
         source.check_covers(s.pipeline_batch, s.seq_len)
@@ -64,8 +77,12 @@ def setting_plan(n: int, source: str | Plan = "cluster", seq_len: int | None = N
         )
     from tplib.perfmodel import Profile
 
+    prof = Profile.load(path)
+    prof.check_run(
+        precision=precision, dropout=s.config.dropout, device=device, source=f"profile {path}"
+    )
     # The planner keeps batch slices within what the profile measured.
-    return plan_terapipe(s, cost=Profile.load(path))
+    return plan_terapipe(s, cost=prof)
 
 
 def setting_run(
@@ -83,7 +100,7 @@ def setting_run(
     """Table 1 row ``n`` (or its Table-4 variant at ``seq_len``) as a run; ``plan`` is a
     plan source (see :func:`setting_plan`) or a plan."""
     s = setting(n, seq_len)
-    p = setting_plan(n, plan, seq_len)
+    p = setting_plan(n, plan, seq_len, precision=precision, device=device)
     return RunConfig(
         model=s.model,
         model_overrides=(("seq_len", s.seq_len),) if s.config.seq_len != 2048 else (),
