@@ -1,18 +1,27 @@
 # tplib: `make reproduce` runs the reproduction, `make test` the test suite.
-# Both create .venv (Python 3.11, CPU torch here, CUDA torch on GPU nodes) when it is missing.
+# Both create .venv (Python 3.11) when it is missing: torch==2.13.0 from pip's index (the
+# CPU wheel on this kind of machine), or from TORCH_INDEX, e.g. a CUDA build with
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128 (run `make clean` first to switch).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SOURCES := tplib tests scripts
+TORCH_INDEX ?=
+# PYTHON given on the command line or in the environment: gpu-check runs that
+# interpreter as it is (an offline GPU node's own torch), with no venv and no install.
+GPU_PYTHON_GIVEN := $(filter command line environment,$(origin PYTHON))
+GPU_PY := $(if $(GPU_PYTHON_GIVEN),$(PYTHON),$(PY))
 
-.PHONY: all test test-browser reproduce lab lint format bench gpu-check clean
+.PHONY: all test test-browser reproduce lab lint format bench gpu-check gpu-check-rehearsal clean
 
 all: test
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --disable-pip-version-check \
+	  --index-url $(TORCH_INDEX) torch==2.13.0,)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
@@ -45,10 +54,17 @@ reproduce: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_slicing.py
 
-# On an NVIDIA GPU: device info, the CUDA exactness tests, a multi-rank run and Figure 3,
-# into results/gpu/. Without a GPU it says so and exits 0.
-gpu-check: $(STAMP)
-	$(PY) scripts/gpu_check.py --out results/gpu
+# On an NVIDIA GPU, in under 8 minutes: device info, the CUDA exactness tests, a multi-rank
+# run, Figure 3, slicing's and keyed dropout's cost, MFU and memory against the model, into
+# results/gpu/<device>/ (and an archive of it in $GPU_CHECK_OUT when set). Without a GPU it
+# says so and exits 0; with a GPU that torch cannot use it fails, saying why.
+# `make gpu-check PYTHON=python3` runs the node's own Python as it is.
+gpu-check: $(if $(GPU_PYTHON_GIVEN),,$(STAMP))
+	$(GPU_PY) scripts/gpu_check.py --out results/gpu
+
+# The same check, every step on the CPU at small sizes (make test runs it too).
+gpu-check-rehearsal: $(if $(GPU_PYTHON_GIVEN),,$(STAMP))
+	GPU_CHECK_DRY=1 $(GPU_PY) scripts/gpu_check.py --out build/gpu-check
 
 # JupyterLab refuses to start as root (a container's user) without --allow-root.
 lab: $(STAMP)

@@ -43,10 +43,10 @@ from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "ATTENTION_IMPLS",
-    "attention_impls",
     "LayerContext",
     "ProbsDropout",
     "StageContext",
+    "attention_impls",
     "math_attention",
     "slice_attention",
 ]

@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from tplib.config import GPTConfig
 from tplib.perfmodel.profile import (
@@ -138,6 +137,10 @@ def build_profile(
     ]
     times, raw, coefs, samples, err, err_ctx = [], [], [], [], [], []
     rng = np.random.default_rng(seed)
+    # Imported here: planning and the GPU check import this module, and a GPU node
+    # need not have tqdm.
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=len(sizes) * len(points) * rounds, desc=desc, disable=not progress)
     with bar:
         for b in sizes:
