@@ -3,7 +3,9 @@ process pools the runtime tests share within a module."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ except ImportError:  # a GPU node running gpu-check's tests needs no hypothesis
 else:
     settings.register_profile("ci", deadline=None, print_blob=True)
     settings.load_profile("ci")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def assert_scaled_close(
@@ -33,16 +37,44 @@ def assert_scaled_close(
     )
 
 
+class Pools:
+    """Local process pools by world size, each started on first use and closed together:
+    ``make(world)`` starts one."""
+
+    def __init__(self, make: Callable[[int], LocalPool] | None = None) -> None:
+        self.make = make or (lambda world: LocalPool(world, timeout_s=60))
+        self.made: dict[int, LocalPool] = {}
+
+    def __call__(self, world: int) -> LocalPool:
+        if world not in self.made:
+            self.made[world] = self.make(world)
+        return self.made[world]
+
+    def close(self) -> None:
+        for pool in self.made.values():
+            pool.close()
+
+
 @pytest.fixture(scope="module")
 def pools() -> Iterator[Callable[[int], LocalPool]]:
     """``pools(world)``: a pool of ``world`` local ranks, started once per test module."""
-    made: dict[int, LocalPool] = {}
+    made = Pools()
+    yield made
+    made.close()
 
-    def get(world: int) -> LocalPool:
-        if world not in made:
-            made[world] = LocalPool(world, timeout_s=60)
-        return made[world]
 
-    yield get
-    for pool in made.values():
-        pool.close()
+def code_copy(dest: Path, paths: Sequence[str]) -> Path:
+    """The checkout's files under ``paths`` (tracked or not, but not ignored), copied to
+    ``dest`` with their modes: a code version of its own, which edits to this checkout
+    while a test runs do not change."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "--", *paths],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dest / rel).write_bytes((ROOT / rel).read_bytes())
+            (dest / rel).chmod((ROOT / rel).stat().st_mode)
+    return dest

@@ -23,6 +23,8 @@ from tplib.reproduce import Job, default_jobs, reproduce
 from tplib.reproduce.summary import equal_to_reference, section
 from tplib.tables import get_table
 
+from .conftest import code_copy
+
 # psutil (which ipykernel requires) ships no type information: its objects are Any here.
 psutil: Any = importlib.import_module("psutil")
 
@@ -130,18 +132,7 @@ CODE = ("tplib", "notebooks", "pyproject.toml")
 
 
 def _code_copy(dest: Path) -> Path:
-    """tplib, the notebooks and pyproject.toml: a code version of its own, which edits to
-    this checkout while the test runs do not change (and so do not start a new run)."""
-    listed = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "--", *CODE],
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            (dest / rel).write_bytes((ROOT / rel).read_bytes())
-    return dest
+    return code_copy(dest, CODE)
 
 
 def _complete(path: Path) -> bool:

@@ -19,24 +19,14 @@ from tplib.cli import main
 from tplib.reproduce import reproduce
 from tplib.tables import run_table
 
+from .conftest import code_copy
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("tplib", "notebooks", "pyproject.toml", "scripts/slurm")
 
 
 def _code_copy(dest: Path) -> Path:
-    """The code and the batch script: a code version of its own, which edits to this
-    checkout while the test runs do not change (a changed version starts a new run)."""
-    listed = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z", "--", *CODE],
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            (dest / rel).write_bytes((ROOT / rel).read_bytes())
-            (dest / rel).chmod((ROOT / rel).stat().st_mode)
-    return dest
+    return code_copy(dest, CODE)
 
 
 def _fake(bin_dir: Path, name: str, body: str) -> None:

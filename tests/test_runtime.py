@@ -30,6 +30,8 @@ from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResul
 from tplib.runtime.worker import Worker
 from tplib.schedule import ASYNC_SCHEDULES, SCHEDULES, Kind
 
+from .conftest import Pools
+
 SEQ_LEN = 16
 BATCH_PER_REPLICA = 2
 SLICINGS = {
@@ -294,16 +296,9 @@ DETERMINISM = {
 def other_pools() -> Iterator[Callable[[int], LocalPool]]:
     """``other_pools(world)``: a second pool of ``world`` ranks, other processes with other
     hash seeds and histories than ``pools(world)``'s."""
-    made: dict[int, LocalPool] = {}
-
-    def get(world: int) -> LocalPool:
-        if world not in made:
-            made[world] = LocalPool(world, timeout_s=60)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
+    made = Pools()
+    yield made
+    made.close()
 
 
 def _determinism_config(schedule: str, seed: int = 0) -> RunConfig:

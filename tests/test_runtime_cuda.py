@@ -66,7 +66,7 @@ from tplib.runtime import (
 )
 from tplib.slicing import full_batch_loss, run_pipeline_local
 
-from .conftest import assert_scaled_close
+from .conftest import Pools, assert_scaled_close
 
 # The device the tests marked cuda run on: "cpu" in gpu-check's rehearsal.
 DEVICE = os.environ.get("TPLIB_TEST_DEVICE", "cuda")
@@ -198,21 +198,18 @@ def test_bf16_on_cpu_matches_the_fp32_reference() -> None:
 # ---- CUDA ------------------------------------------------------------------------------
 
 
+def _on_this_node(world: int) -> LocalPool:
+    """NCCL with a GPU per rank, else gloo with the ranks sharing the GPU."""
+    own = DEVICE == "cuda" and torch.cuda.device_count() >= world
+    return LocalPool(world, backend="nccl" if own else "gloo", timeout_s=120)
+
+
 @pytest.fixture(scope="module")
 def shared_gpu() -> Iterator[Callable[[int], LocalPool]]:
-    """``shared_gpu(world)``: ``world`` ranks on this node's GPUs, started once per module:
-    NCCL with a GPU per rank, else gloo with the ranks sharing the GPU."""
-    made: dict[int, LocalPool] = {}
-
-    def get(world: int) -> LocalPool:
-        if world not in made:
-            own = DEVICE == "cuda" and torch.cuda.device_count() >= world
-            made[world] = LocalPool(world, backend="nccl" if own else "gloo", timeout_s=120)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
+    """``shared_gpu(world)``: ``world`` ranks on this node's GPUs, started once per module."""
+    made = Pools(_on_this_node)
+    yield made
+    made.close()
 
 
 @cuda
