@@ -11,13 +11,30 @@ saying why. Usage::
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
-# The checkout before any installed copy: a node's own Python has no tplib installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tplib.gpucheck import main
+def _unfit() -> str | None:
+    """What makes this interpreter unable to start the check at all (tplib's own modules
+    need Python 3.11 and torch to be imported)."""
+    if sys.version_info < (3, 11):  # noqa: UP036 (a node's Python may be older than ours)
+        return f"python {sys.version.split()[0]} is older than 3.11"
+    if importlib.util.find_spec("torch") is None:
+        return (
+            f"{sys.executable} cannot import torch: run the node's Python that has it "
+            "(make gpu-check PYTHON=...), or install tplib with a CUDA build (README: TORCH_INDEX)"
+        )
+    return None
+
 
 if __name__ == "__main__":
+    if (why := _unfit()) is not None:
+        print(f"gpu-check: FAILED: {why}", file=sys.stderr)
+        raise SystemExit(1)
+    # The checkout before any installed copy: a node's own Python has no tplib installed.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tplib.gpucheck import main
+
     raise SystemExit(main())

@@ -268,3 +268,15 @@ def test_the_summary_fits_a_screen_and_lists_targets() -> None:
 def test_steps_refuse_unknown_names(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         driver.main(["--out", str(tmp_path), "--steps", "device,warp"])
+
+
+def test_an_interpreter_without_torch_is_told_so(tmp_path: Path) -> None:
+    """-S: no site-packages, as a node's Python without torch (or a wrong PYTHON=)."""
+    proc = subprocess.run(
+        [sys.executable, "-S", str(SCRIPT), "--out", str(tmp_path / "gpu")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert f"{sys.executable} cannot import torch" in proc.stderr and "TORCH_INDEX" in proc.stderr
