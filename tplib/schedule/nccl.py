@@ -103,16 +103,21 @@ def _consensus(
     nodes: set[Message] = set()
     for side, peer in ((k, k + 1), (k + 1, k)):
         acts = schedule.actions[side]
-        seen: list[Message] = []
+        # The side's last send and last receive: a send comes after both (after all the
+        # stage posted or waited on before it, by transitivity), a receive after the last
+        # receive (FIFO).
+        last: dict[str, Message] = {}
         for i, m in messages[side]:
             if peer_of(acts[i]) != peer:
                 continue
             nodes.add(m)
-            if acts[i].kind in SENDS:  # after everything the stage posted or waited on
-                before[m].update(seen)
-            elif seen:  # receives in FIFO order
-                before[m].update(x for x in seen if x[0] == m[0])
-            seen.append(m)
+            if acts[i].kind in SENDS:
+                before[m].update(last.values())
+                last["send"] = m
+            else:
+                if "receive" in last:
+                    before[m].add(last["receive"])
+                last["receive"] = m
     waiting = {m: len(before[m]) for m in nodes}
     after: dict[Message, list[Message]] = defaultdict(list)
     for m, deps in before.items():
