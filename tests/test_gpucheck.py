@@ -17,7 +17,8 @@ import torch
 
 from tplib.gpucheck import driver, steps
 from tplib.gpucheck.node import Node, device_slug, inspect_node, version_tuple
-from tplib.gpucheck.steps import StepResult
+from tplib.gpucheck.proofs import exactness_step
+from tplib.gpucheck.result import StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -219,7 +220,7 @@ def test_the_node_here_and_names() -> None:
 def test_a_step_past_its_budget_is_skipped_and_the_rest_still_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(steps.STEPS, "exactness", (steps.exactness_step, 2.0))
+    monkeypatch.setitem(steps.STEPS, "exactness", (exactness_step, 2.0))
     out = tmp_path / "gpu"
     stale = out / "cpu-rehearsal"
     stale.mkdir(parents=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tplib.config import get_config, n_params_per_layer
-from tplib.gpucheck import kernels, steps, training
-from tplib.gpucheck.steps import DRY
+from tplib.gpucheck import kernels, measures, proofs, steps, training
+from tplib.gpucheck.sizes import DRY, GPU, Sizes
 from tplib.model import build_model
 
 matplotlib.use("Agg")
@@ -137,33 +137,33 @@ def test_measure_efficiency_on_cpu_has_no_mfu() -> None:
 
 
 def test_pytest_counts() -> None:
-    assert steps.pytest_counts("1 failed, 3 passed, 2 skipped, 1 error in 2.5s") == {
+    assert proofs.pytest_counts("1 failed, 3 passed, 2 skipped, 1 error in 2.5s") == {
         "failed": 1,
         "passed": 3,
         "skipped": 2,
         "errors": 1,
     }
-    assert steps.pytest_counts("no tests ran in 0.01s") == {}
+    assert proofs.pytest_counts("no tests ran in 0.01s") == {}
 
 
 def test_the_exactness_step_collects_only_its_file() -> None:
-    command = steps.exactness_command()
+    command = proofs.exactness_command()
     assert command[-1] == "tests/test_runtime_cuda.py" and "-m" in command
 
 
 def test_exactness_step_records_counts(tmp_path: Path) -> None:
-    ok = steps.exactness_step(tmp_path, DRY, _python("print('4 passed, 1 skipped in 0.1s')"))
+    ok = proofs.exactness_step(tmp_path, DRY, _python("print('4 passed, 1 skipped in 0.1s')"))
     assert ok.ok and ok.summary == "4 passed, 1 skipped"
     text = (tmp_path / "exactness.txt").read_text()
     assert "result: PASS" in text and "TPLIB_TEST_DEVICE=cpu" in text
-    failed = steps.exactness_step(
+    failed = proofs.exactness_step(
         tmp_path, DRY, _python("import sys; print('1 failed, 3 passed in 0.1s'); sys.exit(1)")
     )
     assert not failed.ok
     text = (tmp_path / "exactness.txt").read_text()
     assert "result: FAIL (1 failed, 3 passed)" in text and "exit code: 1" in text
     # No test marked cuda (pytest's exit code 5): nothing was checked, so not a pass.
-    none = steps.exactness_step(
+    none = proofs.exactness_step(
         tmp_path, DRY, _python("import sys; print('12 deselected in 0.1s'); sys.exit(5)")
     )
     assert not none.ok and "no test marked cuda passed" in none.summary
@@ -171,13 +171,13 @@ def test_exactness_step_records_counts(tmp_path: Path) -> None:
 
 def test_multi_rank_step_saves_json_or_stderr(tmp_path: Path) -> None:
     bench = {"schedule": "terapipe", "median_latency_s": 0.0125, "backend": "gloo"}
-    step = steps.multi_rank_step(
+    step = proofs.multi_rank_step(
         tmp_path, DRY, _python(f"print('a log line'); print({json.dumps(json.dumps(bench))})")
     )
     assert step.ok and "12.5 ms" in step.summary and "on gloo" in step.summary
     record = json.loads((tmp_path / "multi_rank.json").read_text())
     assert record["ok"] and record["bench"] == bench and record["returncode"] == 0
-    step = steps.multi_rank_step(
+    step = proofs.multi_rank_step(
         tmp_path, DRY, _python("import sys; sys.exit('error: no --device option')")
     )
     assert not step.ok and "no --device option" in step.summary
@@ -187,7 +187,7 @@ def test_multi_rank_step_saves_json_or_stderr(tmp_path: Path) -> None:
 
 
 def test_figure3_step_writes_both_files_or_neither(tmp_path: Path) -> None:
-    step = steps.figure3_step(tmp_path, DRY)
+    step = measures.figure3_step(tmp_path, DRY)
     assert step.ok and "1 tok" in step.summary
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "fig3_layer_forward.csv",
@@ -195,16 +195,16 @@ def test_figure3_step_writes_both_files_or_neither(tmp_path: Path) -> None:
     ]
     empty = tmp_path / "empty"
     empty.mkdir()
-    too_long = steps.Sizes(**{**DRY.__dict__, "fig3_tokens": (1, 10_000)})
+    too_long = Sizes(**{**DRY.__dict__, "fig3_tokens": (1, 10_000)})
     with pytest.raises(ValueError):
-        steps.figure3_step(empty, too_long)
+        measures.figure3_step(empty, too_long)
     assert list(empty.iterdir()) == []
 
 
 def test_gpu_sizes_are_the_issues() -> None:
     """What a GPU check measures: GPT3-1B at L = 2048, 8 and 16 slices, Figure 3's 1-2048
     tokens, and a budget that keeps the whole check under 8 minutes."""
-    gpu = steps.GPU
+    gpu = GPU
     assert (gpu.model, gpu.seq_len, gpu.slices) == ("GPT3-1B", 2048, (8, 16))
     assert gpu.fig3_tokens == tuple(2**i for i in range(12))
     assert sum(budget for _, budget in steps.STEPS.values()) < 8 * 60

@@ -6,10 +6,13 @@ module            what it holds
 ================  ====================================================================
 ``node``          what the node offers: Python, torch, CUDA, driver, the GPUs; why a
                   visible GPU that torch cannot use fails the check
-``steps``         the steps (device, exactness, multi-rank, Figure 3, slicing, dropout,
-                  efficiency, memory), each a process of its own with a budget
+``sizes``         what the steps measure at: a GPU's sizes, the rehearsal's; the targets
+``result``        a step's outcome, as its process prints it
+``proofs``        the steps that prove the path runs: device, exactness tests, multi-rank
+``measures``      the steps that measure: Figure 3, slicing, dropout, efficiency, memory
 ``kernels``       timings on one device: Figure 3, slicing's cost, keyed dropout's cost
 ``training``      a training step's MFU; measured memory against the memory model
+``steps``         the steps by name with their budgets; one step's process (``-m``)
 ``driver``        the steps under their budgets, the summary, the folder and archive
 ================  ====================================================================
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 from tplib.files import atomic_write, write_json, write_text
 from tplib.gpucheck.node import Node, device_slug, inspect_node
-from tplib.gpucheck.steps import RESULT_MARK, STEPS, StepResult, checkout_env
+from tplib.gpucheck.proofs import checkout_env
+from tplib.gpucheck.result import RESULT_MARK, StepResult
+from tplib.gpucheck.steps import STEPS
 
 __all__ = ["main", "run_check", "run_step", "summary_text"]
 

@@ -41,8 +41,9 @@ from tplib.runtime.runfile import (
 if TYPE_CHECKING:
     from tplib.runtime.benchmark import BenchResult, bench
     from tplib.runtime.link import fit_link, measure_link
-    from tplib.runtime.pool import LocalPool, RunResult, WorkerError, launch
+    from tplib.runtime.pool import LocalPool, WorkerError, launch
     from tplib.runtime.reference import ReferenceResult, train_reference
+    from tplib.runtime.result import RunResult
     from tplib.runtime.worker import TRACE_COLUMNS, RankResult, run_worker
 
 _LAZY = {
@@ -51,7 +52,7 @@ _LAZY = {
     "fit_link": "link",
     "measure_link": "link",
     "LocalPool": "pool",
-    "RunResult": "pool",
+    "RunResult": "result",
     "WorkerError": "pool",
     "launch": "pool",
     "ReferenceResult": "reference",

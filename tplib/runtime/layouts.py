@@ -25,7 +25,7 @@ from typing import Any
 from tplib.paper import TERAPIPE, main_row, seqlen_row, setting
 from tplib.plan import Plan
 from tplib.runtime.config import RunConfig
-from tplib.runtime.pool import RunResult
+from tplib.runtime.result import RunResult
 from tplib.runtime.runfile import save_run_config
 
 __all__ = [

@@ -67,8 +67,8 @@ from tplib.runtime.heartbeat import (
     lost_message,
     watch,
 )
-from tplib.runtime.pool import RunResult
 from tplib.runtime.rank import Progress, spans
+from tplib.runtime.result import RunResult
 from tplib.runtime.runfile import load_run_config, run_config_from_dict, run_config_to_dict
 from tplib.runtime.worker import RankResult, run_worker
 

@@ -15,15 +15,12 @@ The step is GPT-3's recipe (:mod:`tplib.runtime.update`); who talks to whom, and
 :mod:`tplib.runtime.groups`. Under an asynchronous schedule each forward and backward
 first installs the weight version it names (:mod:`tplib.runtime.versions`).
 
-Messages are posted as :func:`tplib.schedule.nccl.posting_plan` says: each group of
-sends and receives to one peer as one ``batch_isend_irecv``, in an order both ends of a
-link share, so that NCCL, which runs a pair's messages in order and completes a send only
-once its receive is posted, cannot deadlock (1F1B's crossing send and receive go out
-together). A send is completed before the all-reduce; a receive blocks at its own place
-in the list, with a timeout, until its tensor arrives. Every action is timed into a trace
-(on a GPU by CUDA events, read once the iteration is over, so that timing adds no
-synchronisation), and where the rank is goes to a :class:`~tplib.runtime.rank.Progress`
-that the pool reports if the rank dies.
+Messages between stages are :mod:`tplib.runtime.messages`'s: posted where the schedule's
+posting plan says, so that NCCL cannot deadlock; a send is completed before the
+all-reduce, a receive blocks at its own place in the list, with a timeout, until its
+tensor arrives. Every action is timed into a trace (:mod:`tplib.runtime.clock`: on a GPU
+by CUDA events, read once the iteration is over), and where the rank is goes to a
+:class:`~tplib.runtime.rank.Progress` that the pool reports if the rank dies.
 
 Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
 allocator's peak, or on CPU what autograd saves and the executor holds, plus the
@@ -48,14 +45,15 @@ from tplib.dropout import DropoutKey
 from tplib.model import build_model
 from tplib.plan import Unit
 from tplib.precision import autocast, param_dtype
+from tplib.runtime.clock import Mark, PassClock
 from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.groups import RankGroups
 from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
+from tplib.runtime.messages import Messages
 from tplib.runtime.rank import TRACE_COLUMNS, Progress, RankResult
 from tplib.runtime.update import Update
 from tplib.runtime.versions import WeightVersions
-from tplib.schedule import RECEIVES, Action, Kind
-from tplib.schedule.nccl import PostGroup, posting_plan
+from tplib.schedule import Action, Kind
 from tplib.slicing import SliceExecutor, unit_rows
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]  # results: rank.py
@@ -73,51 +71,9 @@ class _Iteration:
     # Keyed by the consuming compute action's (kind, b, t), whatever its weight version.
     received: dict[tuple[Kind, int, int], Tensor] = field(default_factory=dict)
     outputs: dict[Unit, Tensor] = field(default_factory=dict)  # awaiting their send
-    pending: list[tuple[dist.Work, Tensor, Action]] = field(default_factory=list)
-    # Receives posted ahead of their place: the buffer and, on the carrying op rank, the
-    # message's Work.
-    posted: dict[Action, tuple[Tensor, dist.Work | None]] = field(default_factory=dict)
 
 
 Handler = Callable[["Worker", Action, _Iteration], None]
-_Mark = float | torch.cuda.Event
-
-
-class _Clock:
-    """When a pass's actions start and end, in seconds from its start: the wall clock on
-    CPU; on a GPU, CUDA events on the current stream, read once the pass is over. A
-    device-wide synchronisation per action would expose every kernel launch's latency,
-    which costs short token slices most."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.base: torch.cuda.Event | None = None
-        if self.cuda:
-            self.base = torch.cuda.Event(enable_timing=True)
-            self.base.record()
-
-    def mark(self) -> _Mark:
-        if not self.cuda:
-            return time.perf_counter() - self.t0
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def finish(self) -> None:
-        """End the pass: wait for the GPU's work, so that the pass's time is its own."""
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def elapsed(self) -> float:
-        """Wall seconds since the pass started."""
-        return time.perf_counter() - self.t0
-
-    def seconds(self, mark: _Mark) -> float:
-        if isinstance(mark, float):
-            return mark
-        assert self.base is not None
-        return self.base.elapsed_time(mark) / 1e3
 
 
 class Worker:
@@ -161,10 +117,14 @@ class Worker:
             split_backward=self.schedule.split_backward,
         )
         self.meter.exclude(self.params)
-        # Where this stage posts its messages: list index -> the groups posted there.
-        self.posting: dict[int, list[PostGroup]] = {}
-        for group in posting_plan(self.schedule)[self.stage_id]:
-            self.posting.setdefault(group.at, []).append(group)
+        self.messages = Messages(
+            self.schedule,
+            self.stage_id,
+            self.groups,
+            hidden=run.cfg.hidden,
+            wire_dtype=self.wire_dtype,
+            device=self.device,
+        )
         self.versions: WeightVersions | None = None
         self.updates = 0  # optimizer steps made so far
         self.position = 0  # the index of the action running in the stage's list
@@ -178,63 +138,11 @@ class Worker:
 
     # ---- the actions ----------------------------------------------------------------
 
-    def post(self, groups: list[PostGroup], it: _Iteration) -> None:
-        """Post the messages the plan puts here: each group, the sends and receives this
-        op rank carries to one peer, as one ``batch_isend_irecv``."""
-        wire = "cpu" if self.groups.staged else self.device
-        for group in groups:
-            ops: list[dist.P2POp] = []
-            carried: list[tuple[Action, Tensor]] = []  # each op's action and tensor
-            for action in group.actions:
-                carrier, peer = self.groups.wire(action)
-                if action.kind in RECEIVES:
-                    b, t = action.b, action.t
-                    tokens = self.plan.token_slices[b][t]
-                    shape = (self.plan.batch_slices[b], tokens, self.run.cfg.hidden)
-                    tensor = torch.empty(shape, dtype=self.wire_dtype, device=wire)
-                    it.posted[action] = (tensor, None)
-                    if self.op_rank == carrier:
-                        ops.append(dist.P2POp(dist.irecv, tensor, peer))
-                        carried.append((action, tensor))
-                    continue
-                tensor = it.outputs.pop(action.unit)
-                if self.op_rank != carrier:
-                    continue  # an op-rank peer sends the (identical) tensor
-                tensor = tensor.to(self.wire_dtype).contiguous()
-                if self.groups.staged:
-                    tensor = tensor.cpu()
-                ops.append(dist.P2POp(dist.isend, tensor, peer))
-                carried.append((action, tensor))
-            if not ops:
-                continue
-            works = dist.batch_isend_irecv(ops)
-            # Drop sends already delivered: their buffers need not live until AR.
-            it.pending[:] = [p for p in it.pending if not p[0].is_completed()]
-            for (action, tensor), work in zip(carried, works, strict=True):
-                if action.kind in RECEIVES:
-                    it.posted[action] = (tensor, work)
-                else:
-                    it.pending.append((work, tensor, action))
-
     def receive(self, action: Action, it: _Iteration) -> None:
-        """RA / RG: wait (with the run's timeout) for a unit's activation or gradient,
-        posted where the posting plan says, on the carrying op rank, then share it with
-        the stage's #Op group."""
-        b, t = action.b, action.t
-        buf, work = it.posted.pop(action)
-        carrier, peer = self.groups.wire(action)
-        if self.op_rank == carrier:
-            assert work is not None  # posted in the group the plan puts it in
-            activation = action.kind is Kind.RA
-            self.groups.wait(
-                work,
-                f"the {'activation' if activation else 'gradient'} from stage "
-                f"{self.stage_id + (-1 if activation else 1)} (rank {peer}) of unit b{b} t{t} "
-                f"({action})",
-            )
-        self.groups.broadcast_from(buf, carrier)
+        """RA / RG: wait for a unit's activation or gradient (:meth:`Messages.take`),
+        for the forward or backward that consumes it."""
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
-        it.received[consumer, b, t] = buf.to(self.device)
+        it.received[consumer, action.b, action.t] = self.messages.take(action)
 
     def forward(self, action: Action, it: _Iteration) -> None:
         """F: the unit's forward (on its weight version); the last stage adds its scaled
@@ -272,15 +180,15 @@ class Worker:
 
     def send(self, action: Action, it: _Iteration) -> None:
         """SA / SG: nothing left to do here: the unit's output or input gradient was
-        posted with its group (:meth:`post`, at or before this place); it is completed
-        before AR."""
+        posted with its group (:meth:`Messages.post`, at or before this place); it is
+        completed before AR."""
 
     def allreduce(self, action: Action, it: _Iteration) -> None:
         """AR: complete the sends (a synchronous schedule's), then sum the gradients of the
         tied embedding's two copies and the stage's gradients across its data-parallel
         replicas."""
         if not self.asynchronous:  # in flight, a send may wait on a later receive
-            self._wait_sends(it.pending)
+            self.messages.complete_sends()
         # Gradient buffers: .grad, or fp16's fp32 main_grad (tplib.runtime.update).
         shared = self.update.tied_grad_buffer()
         if shared is not None and self.groups.tied is not None:
@@ -330,11 +238,6 @@ class Worker:
 
     # ---- one iteration -------------------------------------------------------------
 
-    def _wait_sends(self, pending: list[tuple[dist.Work, Tensor, Action]]) -> None:
-        for work, _, action in pending:
-            self.groups.wait(work, f"{action} to rank {self.groups.wire(action)[1]} to complete")
-        pending.clear()
-
     def _on_device(self, rows: Tensor) -> Tensor:
         """A pass's token ids on the device in one copy (a GPU's from pinned memory, not
         one pageable copy and sync per unit)."""
@@ -361,11 +264,12 @@ class Worker:
             )
         self.progress.set(self.rank, index, Progress.BARRIER)
         dist.barrier()
-        clock = _Clock(self.device)
+        clock = PassClock(self.device)
+        self.messages.begin()
         self._maybe_fault()
         # One autocast region per pass: its cast weights are cached once, not per unit.
         meter = self.meter if self.counting else nullcontext()
-        rows: list[tuple[int, Action, _Mark, _Mark]] = []  # (iteration, action, start, end)
+        rows: list[tuple[int, Action, Mark, Mark]] = []  # (iteration, action, start, end)
         with autocast(run.precision, self.device.type), meter:
             for position, action in enumerate(self.schedule.actions[self.stage_id]):
                 self.position = position
@@ -377,9 +281,7 @@ class Worker:
                         f"stage {self.stage_id}): add a method and a Worker.DISPATCH entry"
                     )
                 start = clock.mark()
-                groups = self.posting.get(position)
-                if groups:
-                    self.post(groups, it)
+                self.messages.post(position, it.outputs)
                 handler(self, action, it)
                 if self.versions is not None:
                     dropped = self.versions.done(self.position)
@@ -388,7 +290,7 @@ class Worker:
                 if record or (self.asynchronous and action.kind is Kind.OPT):
                     rows.append((self._iteration_of(index, action), action, start, clock.mark()))
             self.progress.set(self.rank, index + n - 1, Progress.DRAIN)
-            self._wait_sends(it.pending)
+            self.messages.complete_sends()
         if self.versions is not None:
             self.versions.restore()
         clock.finish()
