@@ -16,9 +16,9 @@ from tplib.cluster.memory import (
 )
 from tplib.config import GPTConfig, get_config, n_params_per_layer
 from tplib.model import build_model
+from tplib.optimizer import make_optimizer
 from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
-from tplib.precision import make_optimizer
 from tplib.runtime import LocalPool, RunConfig, RunResult
 from tplib.runtime.benchmark import modelled_memory
 from tplib.runtime.memory import gradient_bytes, parameter_bytes

@@ -1,4 +1,4 @@
-"""Tests for tplib.precision: the loss scaler's rules, fp16 master-weight AdamW against torch's
+"""Tests for tplib.precision and tplib.optimizer (the optimizers of its precisions): the loss scaler's rules, fp16 master-weight AdamW against torch's
 AdamW on an independent fp32 copy, overflow skipping, and loss scaling rescuing a gradient
 that fp16 would flush to zero, fp16 gradients summed over many units in fp32 main grads;
 GPT-3's weight-decay groups, the learning rate set per step
@@ -16,20 +16,16 @@ import torch
 from torch import Tensor
 
 from tplib.linear import Linear
-from tplib.plan import Unit
-from tplib.precision import (
+from tplib.optimizer import (
     DECAY_RULES,
-    PRECISIONS,
     DynamicLossScaler,
     MixedPrecisionOptimizer,
     PlainOptimizer,
-    attach_main_grads,
-    autocast,
-    check_precision,
     is_matrix,
     make_optimizer,
-    param_dtype,
 )
+from tplib.plan import Unit
+from tplib.precision import PRECISIONS, attach_main_grads, autocast, check_precision, param_dtype
 from tplib.runtime.memory import storage_bytes
 from tplib.wgrad import DeferredWeightGrads, main_grad
 

@@ -73,7 +73,7 @@ ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32
 
 # tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
 # Adam's m and v. fp16: an fp16 weight, its gradient accumulated in an fp32 main grad that
-# is also the master gradient (tplib.precision), the fp32 master weight, Adam's m and v.
+# is also the master gradient (tplib.optimizer), the fp32 master weight, Adam's m and v.
 RUNTIME_STATE_BYTES = {
     "fp32": FP32 + FP32 + FP32 + FP32,
     "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32

@@ -23,8 +23,9 @@ from tplib.config import GPTConfig
 from tplib.data import synthetic_batch
 from tplib.gpucheck.kernels import layer_forward_flops, time_alternating
 from tplib.model import build_model
+from tplib.optimizer import make_optimizer
 from tplib.plan import Plan
-from tplib.precision import autocast, make_optimizer
+from tplib.precision import autocast
 from tplib.slicing import full_batch_loss
 
 if TYPE_CHECKING:

@@ -37,6 +37,7 @@ from tplib.dropout import DropoutKey
 from tplib.linear import Linear
 from tplib.machine import threads_per_process
 from tplib.model import build_model
+from tplib.optimizer import DECAY_RULES, make_optimizer
 from tplib.perfmodel.build import build_profile
 from tplib.perfmodel.profile import (
     DEFAULT_LINK_BANDWIDTH,
@@ -47,7 +48,7 @@ from tplib.perfmodel.profile import (
     run_attention,
 )
 from tplib.plan import Unit
-from tplib.precision import DECAY_RULES, attach_main_grads, autocast, make_optimizer, param_dtype
+from tplib.precision import attach_main_grads, autocast, param_dtype
 from tplib.runtime.config import RunConfig
 from tplib.stages import balanced_stages, check_stage_range, check_stage_ranges
 from tplib.wgrad import DeferredWeightGrads, grad_buffer

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tplib.model import GPTStage
 from tplib.oppart import shard_spec
-from tplib.precision import DECAY_RULES, make_optimizer
+from tplib.optimizer import DECAY_RULES, make_optimizer
 from tplib.runtime.config import RunConfig
 from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.wgrad import grad_buffer
