@@ -379,7 +379,11 @@ def _check_then_start(table: Any, mode: str, params: Any) -> NoReturn:
     raise Started
 
 
-WORK = ["tplib.runtime.bench", "tplib.reproduce.reproduce", "tplib.perfmodel.timer.build_profile"]
+WORK = [
+    "tplib.runtime.bench",
+    "tplib.reproduce.reproduce",
+    "tplib.perfmodel.profiler.build_profile",
+]
 
 
 def run_cli(argv: list[str]) -> tuple[int | str, str]:

@@ -22,7 +22,7 @@ from tplib.perfmodel import (
     profile_pipeline,
     profile_stage,
 )
-from tplib.perfmodel.profile import IMPLS
+from tplib.perfmodel.conditions import IMPLS
 
 TINY = get_config("tiny")
 

@@ -37,7 +37,7 @@ from tplib.cli.planning import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.config import PRECISIONS
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
-from tplib.perfmodel.profile import IMPLS
+from tplib.perfmodel.conditions import IMPLS
 from tplib.tables import TABLE_NAMES
 
 __all__ = ["INT_LIMIT", "build_parser", "integer", "main", "number"]

@@ -17,7 +17,8 @@ from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
 from tplib.partition.simulated import twobw_simulated
 from tplib.partition.twobw import twobw_plan
-from tplib.perfmodel.profile import UNKNOWN, Profile
+from tplib.perfmodel.conditions import UNKNOWN
+from tplib.perfmodel.profile import Profile
 
 __all__ = ["autoplan_command", "partition_command"]
 

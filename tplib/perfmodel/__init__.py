@@ -3,10 +3,13 @@
 
 - :mod:`~tplib.perfmodel.profile`: :class:`Profile`, measured slice times as plain data
   (Eq. 9's context model, JSON files); the planner's cost model;
+- :mod:`~tplib.perfmodel.conditions`: what a profile timed (device, precision, attention,
+  dropout) and how a run differs from it;
 - :mod:`~tplib.perfmodel.build`: :func:`build_profile`, from any ``measure(b, l, c)``:
   where to measure, the fit and its held-out score, smoothing;
-- :mod:`~tplib.perfmodel.timer`: :class:`StageTimer`, :func:`profile_stage` and
-  :func:`profile_pipeline`, which time real stages with torch;
+- :mod:`~tplib.perfmodel.timer`: :class:`StageTimer`, which times real stages with torch;
+- :mod:`~tplib.perfmodel.profiler`: :func:`profile_stage` and :func:`profile_pipeline`,
+  a stage's or a pipeline's profiles measured with it;
 - :mod:`~tplib.perfmodel.contention`: :func:`measure_contention`, how much the stages
   slow each other when they work at once on this machine (torch, its own processes).
 
@@ -20,21 +23,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tplib.perfmodel.build import build_profile, context_points, smooth_lengths
-from tplib.perfmodel.profile import (
+from tplib.perfmodel.conditions import (
     ATTENTIONS,
+    WIRE_BYTES,
+    ProfileMismatchWarning,
+    run_attention,
+)
+from tplib.perfmodel.profile import (
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY,
-    WIRE_BYTES,
     Profile,
     ProfileError,
-    ProfileMismatchWarning,
     context_time,
     fit_context,
-    run_attention,
 )
 
 if TYPE_CHECKING:
-    from tplib.perfmodel.timer import StageTimer, profile_pipeline, profile_stage
+    from tplib.perfmodel.profiler import profile_pipeline, profile_stage
+    from tplib.perfmodel.timer import StageTimer
 
 __all__ = [
     "ATTENTIONS",
@@ -55,10 +61,11 @@ __all__ = [
     "smooth_lengths",
 ]
 
-_TIMER = ("StageTimer", "profile_pipeline", "profile_stage")  # these need torch
+# These need torch: the module each is loaded from on first use.
+_TORCH = {"StageTimer": "timer", "profile_pipeline": "profiler", "profile_stage": "profiler"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TIMER:
-        return getattr(importlib.import_module("tplib.perfmodel.timer"), name)
+    if name in _TORCH:
+        return getattr(importlib.import_module(f"tplib.perfmodel.{_TORCH[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,12 +17,13 @@ compute, which the simulator prices apart.
 A profile also says what it timed: the ``precision`` (as a run's: fp32, bf16 autocast,
 fp16), the ``attention`` implementation and the ``dropout`` rate. A plan is only as good
 as the cost it was priced with, so a run planned from a profile that timed something else
-is warned about (:meth:`Profile.differences`, :meth:`Profile.check_run`).
+is warned about (:meth:`Profile.differences`, :meth:`Profile.check_run`;
+:mod:`tplib.perfmodel.conditions`).
 
 A profile is saved as JSON (:meth:`Profile.save`, format ``tplib.profile/3``; files of
 formats 1 and 2 still load, their precision read from the dtype they were timed in), so a
 cluster's profile can be planned on a laptop. Nothing here imports torch: planning from a
-saved profile does not pay for it. Profiles are measured by :mod:`tplib.perfmodel.timer`
+saved profile does not pay for it. Profiles are measured by :mod:`tplib.perfmodel.profiler`
 and built by :mod:`tplib.perfmodel.build`.
 """
 
@@ -30,33 +31,34 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from tplib.config import PRECISIONS, GPTConfig
+from tplib.config import GPTConfig
 from tplib.costs import Link
 from tplib.files import write_json
+from tplib.perfmodel.conditions import (
+    UNKNOWN,
+    WIRE_BYTES,
+    check_timed,
+    describe_timed,
+    differences,
+    warn_mismatch,
+)
 from tplib.plan import grid_size
 from tplib.stages import check_stage_range
 
 __all__ = [
-    "ATTENTIONS",
     "DEFAULT_LINK_BANDWIDTH",
     "DEFAULT_LINK_LATENCY",
     "FORMAT",
-    "IMPLS",
-    "UNKNOWN",
-    "WIRE_BYTES",
     "Profile",
     "ProfileError",
-    "ProfileMismatchWarning",
     "context_time",
     "fit_context",
-    "run_attention",
 ]
 
 FORMAT = "tplib.profile/3"
@@ -73,15 +75,6 @@ _RENAMED_IN_2 = {
 # one an fp16 run's; a bfloat16 stage is no run's (bf16 runs keep fp32 weights).
 _FORMAT_2 = "tplib.profile/2"
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16"}
-UNKNOWN = "unknown"  # what an older file does not say
-# What a slice's attention was timed as: "default" (the implementation the runtime picks
-# for the device, tplib.context.slice_attention), "split" or "masked" (named ones), or
-# "math" (written out, tplib.context.math_attention: what any run with dropout runs).
-IMPLS = ("split", "masked")  # tplib.context.ATTENTION_IMPLS: the ones a profile may name
-ATTENTIONS = ("default", *IMPLS, "math")
-# Bytes per activation element sent between stages: the runtime sends the parameters'
-# dtype (tplib.precision.param_dtype), float32 under bf16 autocast too.
-WIRE_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2, UNKNOWN: 4}
 # Order of magnitude of CPU gloo over loopback; pass values measured on the real link.
 DEFAULT_LINK_BANDWIDTH = 2e9  # bytes/s
 DEFAULT_LINK_LATENCY = 50e-6  # seconds per message
@@ -97,16 +90,6 @@ REDUCE: dict[str, Callable[[np.ndarray], float]] = {
 
 class ProfileError(ValueError):
     """A profile is invalid, or does not cover a requested slice."""
-
-
-class ProfileMismatchWarning(UserWarning):
-    """A run is planned from a profile that timed something else than the run will do."""
-
-
-def run_attention(dropout: float) -> str:
-    """The attention a run with ``dropout`` runs (it has no other choice): written out
-    ("math") to drop by position, else the device's default."""
-    return "math" if dropout > 0 else "default"
 
 
 def _features(length: float | np.ndarray, context: float | np.ndarray) -> np.ndarray:
@@ -275,74 +258,41 @@ class Profile:
         return WIRE_BYTES[self.precision]
 
     def _check_timed(self) -> None:
-        if self.precision not in (*PRECISIONS, UNKNOWN):
-            raise ProfileError(
-                f"precision {self.precision!r}: choose one of {PRECISIONS} (or {UNKNOWN!r})"
-            )
-        if self.attention not in (*ATTENTIONS, UNKNOWN):
-            raise ProfileError(
-                f"attention {self.attention!r}: choose one of {ATTENTIONS} (or {UNKNOWN!r})"
-            )
-        dropout = self.dropout
-        if isinstance(dropout, bool) or not isinstance(dropout, int | float):
-            raise ProfileError(f"dropout={dropout!r}: must be a number in [0, 1)")
-        if not 0.0 <= dropout < 1.0:
-            raise ProfileError(f"dropout={dropout}: must be in [0, 1)")
-        if self.attention != UNKNOWN and (self.attention == "math") != (dropout > 0):
-            raise ProfileError(
-                f"attention {self.attention!r} with dropout={dropout}: attention is written "
-                "out ('math') exactly when the stage drops"
-            )
+        try:
+            check_timed(self.precision, self.attention, self.dropout)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
 
     def timed(self) -> str:
         """What was timed, in words: device, precision, attention, dropout."""
-        return (
-            f"{self.device}, precision {self.precision}, attention {self.attention}, "
-            f"dropout {self.dropout:g}"
-        )
+        return describe_timed(self.device, self.precision, self.attention, self.dropout)
 
     def differences(self, *, precision: str, dropout: float, device: str) -> list[str]:
-        """How a run in ``precision`` with ``dropout`` on ``device`` (its type is
-        compared) differs from what this profile timed, one line per difference. The run's
-        attention follows from its dropout (:func:`run_attention`); a profile of a named
-        implementation ("split", "masked") differs from the run's "default", even where
-        the device's default is that implementation."""
-        run = {
-            "device": device.split(":")[0],
-            "precision": precision,
-            "attention": run_attention(dropout),
-            "dropout": f"{dropout:g}",
-        }
+        """How a run in ``precision`` with ``dropout`` on ``device`` differs from what this
+        profile timed (:func:`~tplib.perfmodel.conditions.differences`)."""
         timed = {
             "device": self.device.split(":")[0],
             "precision": self.precision,
             "attention": self.attention,
             "dropout": f"{self.dropout:g}",
         }
-        return [
-            f"{name}: the profile timed {timed[name]!r}, the run {run[name]!r}"
-            if timed[name] != UNKNOWN
-            else f"{name}: the profile does not say (an older file), the run {run[name]!r}"
-            for name in run
-            if timed[name] != run[name]
-        ]
+        return differences(timed, precision=precision, dropout=dropout, device=device)
 
     def check_run(
         self, *, precision: str, dropout: float, device: str, source: str = "the profile"
     ) -> list[str]:
-        """Warn (:class:`ProfileMismatchWarning`) when a run planned from this profile,
-        read from ``source``, will do something else than it timed; return the
-        differences."""
+        """Warn (:class:`~tplib.perfmodel.conditions.ProfileMismatchWarning`) when a run
+        planned from this profile, read from ``source``, will do something else than it
+        timed; return the differences."""
         diffs = self.differences(precision=precision, dropout=dropout, device=device)
-        if diffs:
-            warnings.warn(
-                f"{source} timed {self.timed()}, not what the run does ({'; '.join(diffs)}): "
-                "the plan is priced on another cost. Re-profile with the run's options "
-                f"(python -m tplib profile --device {device.split(':')[0]} --dtype {precision} "
-                f"--dropout {dropout:g})",
-                ProfileMismatchWarning,
-                stacklevel=2,
-            )
+        warn_mismatch(
+            diffs,
+            source=source,
+            timed=self.timed(),
+            precision=precision,
+            dropout=dropout,
+            device=device,
+        )
         return diffs
 
     def comm_time(self, batch_slice_size: int, length: float | np.ndarray) -> np.ndarray:

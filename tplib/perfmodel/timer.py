@@ -1,11 +1,9 @@
 """Timing real stages with torch: the measuring half of the profiler.
 
 :class:`StageTimer` times forward+backward of one slice through a stage, the ``measure``
-that :func:`~tplib.perfmodel.build.build_profile` calls; :func:`profile_stage` profiles
-one stage that way, and also records what the simulator needs beyond Eq. 9: the
-forward's share of forward+backward and the stage's optimizer step.
-:func:`profile_pipeline` profiles every stage of a pipeline, one
-:class:`~tplib.perfmodel.profile.Profile` each.
+that :func:`~tplib.perfmodel.build.build_profile` calls, and what the simulator needs
+beyond Eq. 9: the forward's share of forward+backward, the weight gradients' share, and
+the stage's optimizer step (:mod:`tplib.perfmodel.profiler` turns them into profiles).
 
 A profile times either a middle stage of ``layers_per_stage`` blocks (what the paper's
 uniform stages are) or an actual stage ``[lo, hi)`` of a K-stage pipeline: the first
@@ -22,38 +20,30 @@ the device unless one is named. The profile records all three.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from tplib.config import GPTConfig, check_precision, get_config
+from tplib.config import GPTConfig, check_precision
 from tplib.context import StageContext, attention_impls
 from tplib.dropout import DropoutKey
 from tplib.linear import Linear
-from tplib.machine import threads_per_process
 from tplib.model import build_model
 from tplib.optimizer import DECAY_RULES, make_optimizer
-from tplib.perfmodel.build import build_profile
+from tplib.perfmodel.conditions import run_attention
 from tplib.perfmodel.profile import (
-    DEFAULT_LINK_BANDWIDTH,
-    DEFAULT_LINK_LATENCY,
-    Profile,
     ProfileError,
     grid_steps,
-    run_attention,
 )
 from tplib.plan import Unit
 from tplib.precision import attach_main_grads, autocast, param_dtype
 from tplib.runtime.config import RunConfig
-from tplib.stages import balanced_stages, check_stage_range, check_stage_ranges
+from tplib.stages import check_stage_range
 from tplib.wgrad import DeferredWeightGrads, grad_buffer
 
-__all__ = ["StageTimer", "profile_pipeline", "profile_stage"]
+__all__ = ["StageTimer"]
 
 WGRAD_REPEATS = 3  # the fewest timed runs wgrad_fraction takes its median over
 
@@ -311,137 +301,3 @@ class StageTimer:
             self._sync()
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
-
-
-def profile_stage(
-    model: str | GPTConfig,
-    *,
-    layers_per_stage: int = 1,
-    seq_len: int | None = None,
-    max_batch_slice_size: int = 1,
-    batch_slice_sizes: Sequence[int] | None = None,
-    granularity: int = 8,
-    repeats: int = 5,
-    warmup: int = 1,
-    device: str | None = None,
-    precision: str = "fp32",
-    dropout: float | None = None,
-    attention: str | None = None,
-    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
-    link_latency: float = DEFAULT_LINK_LATENCY,
-    rounds: int = 1,
-    threads: int | None = None,
-    progress: bool = True,
-    seed: int = 0,
-    stage: tuple[int, int] | None = None,
-    smooth: bool = False,
-    reduce: str = "min",
-) -> Profile:
-    """Profile a middle stage of ``layers_per_stage`` blocks of ``model`` (or, with
-    ``stage=(lo, hi)``, exactly that stage of a pipeline, embeddings or head included) on
-    ``device`` (CUDA when present, else CPU) for batch slices of ``batch_slice_sizes``
-    sequences (default 1..max_batch_slice_size). The profile also records the forward's
-    median share of the time and the stage's optimizer step.
-
-    It times what a run in ``precision`` does (``"fp32"``, ``"bf16"`` autocast, ``"fp16"``
-    on CUDA), training with ``dropout`` (None: the model's rate, as a run of it trains),
-    through attention ``attention`` (None: the runtime's default for the device), and
-    records all three (see :class:`StageTimer`).
-
-    On a machine shared with other jobs, use ``rounds`` > 1 (each point timed at several
-    moments, keeping the least) and ``threads`` (torch's CPU threads while measuring,
-    restored after) below the core count: spin-waiting threads that lose their core
-    make timings many times slower and noisier. Where the machine stays busy, the
-    typical time (``reduce="median"``) predicts a pipeline run better than the least,
-    and ``smooth`` fits the table t(b, l, 0) by
-    :func:`~tplib.perfmodel.build.smooth_lengths` against what is left of the noise."""
-    cfg = get_config(model) if isinstance(model, str) else model
-    seq_len = cfg.seq_len if seq_len is None else seq_len
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if batch_slice_sizes is None:
-        sizes = list(range(1, max_batch_slice_size + 1))
-    else:
-        sizes = list(batch_slice_sizes)
-    if not sizes or min(sizes) < 1:
-        raise ProfileError(f"batch slice sizes {sizes}: need at least one, all >= 1")
-    grid_steps(seq_len, granularity)  # fail before building anything
-    timer = StageTimer(
-        cfg,
-        layers_per_stage,
-        seq_len=seq_len,
-        device=device,
-        precision=precision,
-        dropout=dropout,
-        attention=attention,
-        repeats=repeats,
-        warmup=warmup,
-        seed=seed,
-        stage=stage,
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        desc = "profiling" if stage is None else f"profiling layers [{stage[0]}, {stage[1]})"
-        prof = build_profile(
-            timer,
-            config=cfg,
-            layers_per_stage=len(timer.stage.blocks),
-            seq_len=seq_len,
-            granularity=granularity,
-            batch_slice_sizes=sizes,
-            rounds=rounds,
-            progress=progress,
-            seed=seed,
-            desc=desc,
-            device=str(timer.device),
-            precision=precision,
-            attention=timer.attention_timed,
-            dropout=timer.dropout,
-            link_bandwidth=link_bandwidth,
-            link_latency=link_latency,
-            repeats=repeats,
-            threads=torch.get_num_threads(),
-            stage=stage,
-            smooth=smooth,
-            reduce=reduce,
-            torch_version=torch.__version__,
-        )
-        # Measured after the sweep, in the same thread setting. The forward share is the
-        # median over every timed point: it varies little with (b, l, c).
-        return replace(
-            prof,
-            fwd_fraction=float(np.median(timer.forward_fractions)),
-            optimizer_time=timer.optimizer_time(repeats),
-            wgrad_fraction=timer.wgrad_fraction(sizes[0], seq_len),
-        )
-    finally:
-        torch.set_num_threads(before)
-
-
-def profile_pipeline(
-    model: str | GPTConfig,
-    n_stages: int,
-    *,
-    stage_ranges: Sequence[tuple[int, int]] | None = None,
-    n_data: int = 1,
-    threads: int | None = None,
-    progress: bool = True,
-    **kwargs: Any,
-) -> list[Profile]:
-    """Profile every stage of a ``n_stages``-stage pipeline of ``model``, one
-    :class:`~tplib.perfmodel.profile.Profile` per stage: layers ``stage_ranges``
-    (default: :func:`~tplib.stages.balanced_stages`), the first with the embeddings, the
-    last with the LM head and loss. ``kwargs`` go to :func:`profile_stage` (seq_len,
-    batch_slice_sizes, granularity, repeats, rounds, precision, dropout, ...).
-
-    ``threads`` defaults to what each process of a local pipeline of
-    ``n_stages x n_data`` processes gets: a stage timed with all cores runs several
-    times faster than it does in the pipeline."""
-    cfg = get_config(model) if isinstance(model, str) else model
-    ranges = list(stage_ranges or balanced_stages(cfg.n_layer, n_stages))
-    check_stage_ranges(cfg, ranges, n_stages)
-    threads = threads or threads_per_process(n_stages * n_data)
-    return [
-        profile_stage(cfg, stage=(lo, hi), threads=threads, progress=progress, **kwargs)
-        for lo, hi in ranges
-    ]

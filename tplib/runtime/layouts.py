@@ -55,7 +55,7 @@ def setting_plan(
 
     A profile is checked against the run it plans, in ``precision`` on ``device`` with the
     model's dropout (:meth:`~tplib.perfmodel.Profile.check_run`: a
-    :class:`~tplib.perfmodel.profile.ProfileMismatchWarning` names both)."""
+    :class:`~tplib.perfmodel.conditions.ProfileMismatchWarning` names both)."""
     s = setting(n, seq_len)
     if isinstance(source, Plan):
         source.check_covers(s.pipeline_batch, s.seq_len)
