@@ -31,7 +31,6 @@ from tplib.context import StageContext, attention_impls
 from tplib.dropout import DropoutKey
 from tplib.linear import Linear
 from tplib.model import build_model
-from tplib.optimizer import DECAY_RULES, make_optimizer
 from tplib.perfmodel.conditions import run_attention
 from tplib.perfmodel.profile import (
     ProfileError,
@@ -40,6 +39,7 @@ from tplib.perfmodel.profile import (
 from tplib.plan import Unit
 from tplib.precision import attach_main_grads, autocast, param_dtype
 from tplib.runtime.config import RunConfig
+from tplib.runtime.update import stage_optimizer
 from tplib.stages import check_stage_range
 from tplib.wgrad import DeferredWeightGrads, grad_buffer
 
@@ -273,18 +273,7 @@ class StageTimer:
         back into the fp16 weights), and zeroing the gradient buffers, which stay
         allocated."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        opt = make_optimizer(
-            params,
-            self.precision,
-            lr=RunConfig.lr,
-            betas=RunConfig.betas,
-            weight_decay=RunConfig.weight_decay,
-            eps=RunConfig.adam_eps,
-            decay=DECAY_RULES[RunConfig.weight_decay_params],
-        )
-        for p in params:  # allocated once and kept, as Update does
-            if grad_buffer(p) is None:
-                p.grad = torch.zeros_like(p)
+        opt = stage_optimizer(params, self.precision, RunConfig)
         buffers = [b for b in map(grad_buffer, params) if b is not None]
         times = []
         for _ in range(repeats + 1):  # the first step allocates AdamW's state: not timed

@@ -20,12 +20,33 @@ from torch import Tensor
 
 from tplib.model import GPTStage
 from tplib.oppart import shard_spec
-from tplib.optimizer import DECAY_RULES, make_optimizer
+from tplib.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
 from tplib.runtime.config import RunConfig
 from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.wgrad import grad_buffer
 
-__all__ = ["Update"]
+__all__ = ["Update", "stage_optimizer"]
+
+
+def stage_optimizer(
+    params: list[torch.nn.Parameter], precision: str, recipe: RunConfig | type[RunConfig]
+) -> MixedPrecisionOptimizer | PlainOptimizer:
+    """The optimizer a run's stage steps with, on ``recipe``'s AdamW options (a run's, or
+    the class's defaults), its gradient buffers allocated once and kept between steps, as
+    the memory model assumes (fp16: each parameter's fp32 main_grad, attached here)."""
+    optimizer = make_optimizer(
+        params,
+        precision,
+        lr=recipe.lr,
+        betas=recipe.betas,
+        weight_decay=recipe.weight_decay,
+        eps=recipe.adam_eps,
+        decay=DECAY_RULES[recipe.weight_decay_params],
+    )
+    for p in params:
+        if grad_buffer(p) is None:
+            p.grad = torch.zeros_like(p)
+    return optimizer
 
 
 class Update:
@@ -34,19 +55,7 @@ class Update:
     def __init__(self, run: RunConfig, stage: GPTStage, groups: RankGroups) -> None:
         self.run, self.stage, self.groups = run, stage, groups
         self.params = list(stage.parameters())
-        # fp16: attaches each parameter's fp32 main_grad, its gradient buffer.
-        self.optimizer = make_optimizer(
-            self.params,
-            run.precision,
-            lr=run.lr,
-            betas=run.betas,
-            weight_decay=run.weight_decay,
-            eps=run.adam_eps,
-            decay=DECAY_RULES[run.weight_decay_params],
-        )
-        for p in self.params:  # kept allocated between steps, as the memory model assumes
-            if grad_buffer(p) is None:
-                p.grad = torch.zeros_like(p)
+        self.optimizer = stage_optimizer(self.params, run.precision, run)
         self.lr_schedule = run.lr_schedule_data
         self.tied = shared_weight(stage)  # this stage's copy of a tied embedding, or None
         self.counted = self._counted()
