@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -290,3 +291,18 @@ def test_layouts_are_accepted_exactly_when_they_are_consistent(
 def test_bad_values_are_named_with_their_rule(fields: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RunConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_the_posting_plan_is_made_once_and_checked_for_cuda_runs() -> None:
+    """A CUDA run's posting plan is made and checked under NCCL's semantics when the
+    config is made, and the workers reuse it; a CPU run makes it on first use."""
+    from tplib.schedule.nccl import posting_plan
+
+    options: dict[str, Any] = {"schedule": "1f1b", "n_stages": 2, "batch": 4, "slicing": 2}
+    cuda = RunConfig(**options, device="cuda")
+    made = cuda._derived[4]
+    assert made is not None and cuda.posting is made
+    assert made == posting_plan(cuda.schedule_data)
+    cpu = RunConfig(**options)
+    assert cpu._derived[4] is None
+    assert cpu.posting == made and cpu.posting is cpu.posting

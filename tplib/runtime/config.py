@@ -27,7 +27,7 @@ from tplib.config import (
 from tplib.lr import LR_SCHEDULES, LRSchedule
 from tplib.plan import Plan
 from tplib.schedule import ASYNC_SCHEDULES, Schedule, make_schedule
-from tplib.schedule.nccl import check_nccl
+from tplib.schedule.nccl import PostingPlan, check_nccl, posting_plan
 from tplib.stages import StageRange, balanced_stages, check_stage_ranges
 
 __all__ = [
@@ -116,7 +116,9 @@ class RunConfig:
     timeout_s: float = 180.0  # longest wait for any message or collective
     threads: int = 0  # torch threads per process; 0: this machine's cores split evenly
     model_overrides: tuple[tuple[str, object], ...] = ()
-    _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule] = field(
+    # What __post_init__ derives: the model, plan, layer ranges, schedule and (made once,
+    # on first use) where each stage posts its messages.
+    _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule, PostingPlan | None] = field(
         init=False, repr=False, compare=False
     )
 
@@ -161,9 +163,11 @@ class RunConfig:
         )
         if schedule.asynchronous:
             self._check_asynchronous(cfg)
+        posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
-            check_nccl(schedule)
-        object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule))
+            posting = posting_plan(schedule)
+            check_nccl(schedule, posting)
+        object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule, posting))
 
     def _check_asynchronous(self, cfg: GPTConfig) -> None:
         """What an asynchronous schedule cannot combine with, and why."""
@@ -320,6 +324,18 @@ class RunConfig:
     def schedule_data(self) -> Schedule:
         """The validated schedule every stage interprets."""
         return self._derived[3]
+
+    @property
+    def posting(self) -> PostingPlan:
+        """Where each stage posts its messages (:func:`tplib.schedule.nccl.posting_plan`),
+        made once per process (a CUDA run's, to check it, when the config is made)."""
+        if self._derived[4] is None:
+            object.__setattr__(
+                self, "_derived", (*self._derived[:4], posting_plan(self._derived[3]))
+            )
+        posting = self._derived[4]
+        assert posting is not None
+        return posting
 
 
 @dataclass(frozen=True)

@@ -23,32 +23,34 @@ from torch import Tensor
 
 from tplib.plan import Plan, Unit
 from tplib.runtime.groups import RankGroups
-from tplib.schedule import RECEIVES, Action, Kind, Schedule
-from tplib.schedule.nccl import PostGroup, posting_plan
+from tplib.schedule import RECEIVES, Action, Kind
+from tplib.schedule.nccl import PostGroup
 
 __all__ = ["Messages"]
 
 
 class Messages:
-    """The messages of one rank of ``stage``; :meth:`begin` starts a pass over its list."""
+    """The messages of one rank of ``stage``, posted as ``posting`` (the stage's part of
+    the posting plan) says; :meth:`begin` starts a pass over its list."""
 
     def __init__(
         self,
-        schedule: Schedule,
+        plan: Plan,
         stage: int,
+        posting: tuple[PostGroup, ...],
         groups: RankGroups,
         *,
         hidden: int,
         wire_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.plan: Plan = schedule.plan
+        self.plan = plan
         self.stage, self.groups, self.hidden = stage, groups, hidden
         self.wire_dtype, self.device = wire_dtype, device
         self.wire = torch.device("cpu") if groups.staged else device
         # Where this stage posts its messages: list index -> the groups posted there.
         self.posting: dict[int, list[PostGroup]] = {}
-        for group in posting_plan(schedule)[stage]:
+        for group in posting:
             self.posting.setdefault(group.at, []).append(group)
         self.begin()
 

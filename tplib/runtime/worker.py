@@ -118,8 +118,9 @@ class Worker:
         )
         self.meter.exclude(self.params)
         self.messages = Messages(
-            self.schedule,
+            self.plan,
             self.stage_id,
+            run.posting[self.stage_id],
             self.groups,
             hidden=run.cfg.hidden,
             wire_dtype=self.wire_dtype,

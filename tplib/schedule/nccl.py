@@ -49,6 +49,7 @@ __all__ = [
     "Message",
     "PostGroup",
     "Posting",
+    "PostingPlan",
     "check_nccl",
     "peer_of",
     "posting_plan",
@@ -57,6 +58,7 @@ __all__ = [
 
 Posting = Literal["naive", "ordered"]
 POSTINGS: tuple[Posting, ...] = get_args(Posting)
+PostingPlan = tuple[tuple["PostGroup", ...], ...]  # per stage, what it posts and where
 Message = tuple[Link, int]  # a link and the message's index on it (FIFO)
 
 
@@ -144,9 +146,7 @@ def _consensus(
     return order
 
 
-def posting_plan(
-    schedule: Schedule, posting: Posting = "ordered"
-) -> tuple[tuple[PostGroup, ...], ...]:
+def posting_plan(schedule: Schedule, posting: Posting = "ordered") -> PostingPlan:
     """Per stage, the groups of messages it posts and where (see the module); the
     schedule must be valid."""
     if posting not in POSTINGS:
@@ -251,15 +251,18 @@ class _Streams:
 
 
 def run_nccl(
-    schedule: Schedule, duration: Callable[[Action], float], posting: Posting = "ordered"
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    posting: Posting | PostingPlan = "ordered",
 ) -> tuple[list[list[TimedAction]], list[int], str]:
-    """Replay ``schedule`` under NCCL's rendezvous messages, posted as ``posting`` says
-    (see the module): the timed actions per stage, each stage's count of actions run, and
-    why stages are stuck ("" when none is)."""
+    """Replay ``schedule`` under NCCL's rendezvous messages, posted as ``posting`` says (a
+    rule's name, or a plan :func:`posting_plan` made): the timed actions per stage, each
+    stage's count of actions run, and why stages are stuck ("" when none is)."""
     acts, n = schedule.actions, schedule.n_stages
     key = [dict(mine) for mine in _messages(schedule)]  # stage -> action index -> message
     places: list[dict[int, list[tuple[int, frozenset[Message]]]]] = [{} for _ in range(n)]
-    for k, groups in enumerate(posting_plan(schedule, posting)):
+    plan = posting_plan(schedule, posting) if isinstance(posting, str) else posting
+    for k, groups in enumerate(plan):
         index = {a: i for i, a in enumerate(acts[k])}
         for g in groups:
             messages = frozenset(key[k][index[a]] for a in g.actions)
@@ -349,9 +352,10 @@ def _stuck(
     )
 
 
-def check_nccl(schedule: Schedule, posting: Posting = "ordered") -> None:
+def check_nccl(schedule: Schedule, posting: Posting | PostingPlan = "ordered") -> None:
     """Raise :class:`~tplib.schedule.ScheduleError` (with the grid) if ``schedule``,
-    posted as ``posting`` says, deadlocks under NCCL's rendezvous messages."""
+    posted as ``posting`` says (a rule, or a plan), deadlocks under NCCL's rendezvous
+    messages."""
     _, pc, why = run_nccl(schedule, unit_cost, posting)
     if why:
         stuck = [(k, i) for k, i in enumerate(pc) if i < len(schedule.actions[k])]
