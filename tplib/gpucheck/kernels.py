@@ -192,7 +192,9 @@ def time_slicing(
         cfg = cfg.with_(n_layer=layers + 2)  # a middle stage: layers on both sides
     stage = build_model(cfg, 1, 1 + layers, seed=0, device=device, dtype=param_dtype(precision))
     gen = torch.Generator().manual_seed(1)
+    # The input needs its gradient: a middle stage sends it to the stage before.
     x = torch.randn(1, seq_len, cfg.hidden, generator=gen).to(device, param_dtype(precision))
+    x.requires_grad_()
     grad = torch.randn(1, seq_len, cfg.hidden, generator=gen).to(device, x.dtype)
     variants: dict[str, tuple[int, bool]] = {"whole": (1, False)}
     for n in slices:
@@ -206,7 +208,7 @@ def time_slicing(
             name: partial(
                 _stage_pass,
                 stage,
-                x.requires_grad_(),
+                x,
                 grad,
                 plans[name],
                 precision=precision,
