@@ -19,7 +19,7 @@ import os
 import statistics
 
 from tplib.runtime import RunConfig, launch
-from tplib.runtime.config import Hooks
+from tplib.runtime.runconfig import Hooks
 
 
 def main() -> None:

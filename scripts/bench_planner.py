@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tplib.planner import best_uniform, pipeline_latency, plan
+from tplib.planner import best_uniform, pipeline_latency, plan_slices
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def main() -> None:
         for eps in (1e-4, 0.0):
             for method in ("paper", "exact"):
                 start = time.perf_counter()
-                p = plan(
+                p = plan_slices(
                     cost,
                     seq_len=s.seq_len,
                     batch=s.batch,

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from tplib.config import get_config
-from tplib.data import synthetic_batch
-from tplib.model import build_model
+from tplib.nn.configs import get_config
+from tplib.nn.data import synthetic_batch
+from tplib.nn.model import build_model
+from tplib.nn.slicing import run_pipeline_local
 from tplib.plan import Plan
-from tplib.slicing import run_pipeline_local
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import argparse
 
 import pandas as pd
 
-from tplib.tables.settings import EPS, compare_joint_methods
+from tplib.search.setting import EPS, compare_joint_methods
 
 
 def main() -> None:

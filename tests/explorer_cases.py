@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 from tplib.perfmodel import build_profile
 
 SMALL = 7  # GPT3-44B on 24 stages, 4 sequences per pipeline: plans in well under a second

@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tplib.cli import main
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 from tplib.perfmodel import Profile, build_profile
 from tplib.plan import Plan
+from tplib.runs.settings import setting_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,13 +267,13 @@ def test_table_command_prints_and_saves(tmp_path: Path, capsys: pytest.CaptureFi
 def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tplib.runtime import RunConfig, load_run_config
+    from tplib.runtime import load_run_config
 
     out = tmp_path / "tmp" / "run.json"
     assert main(["run", "--setting", "9", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     run = load_run_config(out)
-    expected = RunConfig.for_setting(9)  # fp16, cluster plan, 10 steps after 2 warm-up
+    expected = setting_run(9)  # fp16, cluster plan, 10 steps after 2 warm-up
     # The JSON keeps the plan's slicing, not what the planner predicted (its latency,
     # t_max, eps): see test_runtime_layouts.py::test_planned_configs_round_trip_through_json.
     sliced = Plan(expected.plan.batch_slices, expected.plan.token_slices)

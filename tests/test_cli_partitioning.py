@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.test_cli import BAD, check_bad_option, run_cli
 from tplib.cli import main
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 from tplib.paper import SETTINGS
 from tplib.perfmodel import build_profile
 

@@ -23,8 +23,8 @@ from tplib.paper import GPIPE, SETTINGS, TERAPIPE, main_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.schedule import WHOLE_SEQUENCE, Action, Kind, make_schedule
-from tplib.simulate import action_cost, simulate
-from tplib.tables.settings import cost_model, simulate_on_cluster
+from tplib.search.setting import cost_model, simulate_on_cluster
+from tplib.sim.simulate import action_cost, simulate
 
 FITTED = [f for fields, _ in FIT_STAGES for f in fields]
 

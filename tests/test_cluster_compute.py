@@ -18,7 +18,7 @@ from tplib.cluster.compute import (
     layer_times,
 )
 from tplib.cluster.hardware import FP16
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 
 HW = P3_16XLARGE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tplib.cluster import ClusterCostModel, check_layout
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 from tplib.paper import SETTINGS
 
 GPT13 = get_config("GPT3-13B")  # 40 layers, 40 heads

@@ -14,14 +14,14 @@ from tplib.cluster.memory import (
     stage_memory,
     stage_memory_on_cluster,
 )
-from tplib.config import GPTConfig, get_config, n_params_per_layer
-from tplib.model import build_model
-from tplib.optimizer import make_optimizer
+from tplib.nn.bytecount import gradient_bytes, parameter_bytes
+from tplib.nn.configs import GPTConfig, get_config, n_params_per_layer
+from tplib.nn.model import build_model
+from tplib.nn.optimizer import make_optimizer
 from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
 from tplib.runtime import LocalPool, RunConfig, RunResult
 from tplib.runtime.benchmark import modelled_memory
-from tplib.runtime.memory import gradient_bytes, parameter_bytes
 from tplib.schedule import Action, Kind, make_schedule
 
 

@@ -11,7 +11,6 @@ import pytest
 import tplib.explorer.scenario as scenario_module
 from tests.explorer_cases import BASE, write_profile
 from tplib.cluster import ClusterCostModel, check_layout
-from tplib.config import GPTConfig, get_config
 from tplib.explorer.scenario import (
     CLUSTER,
     Scenario,
@@ -20,6 +19,7 @@ from tplib.explorer.scenario import (
     scenario_for_profile,
     scenario_for_setting,
 )
+from tplib.nn.configs import GPTConfig, get_config
 from tplib.perfmodel import Profile
 
 

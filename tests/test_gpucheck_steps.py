@@ -11,10 +11,10 @@ import matplotlib
 import pytest
 import torch
 
-from tplib.config import get_config, n_params_per_layer
 from tplib.gpucheck import kernels, measures, proofs, steps, training
 from tplib.gpucheck.sizes import DRY, GPU, Sizes
-from tplib.model import build_model
+from tplib.nn.configs import get_config, n_params_per_layer
+from tplib.nn.model import build_model
 
 matplotlib.use("Agg")
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tplib.costs import Link
 from tplib.runtime import fit_link, measure_link
+from tplib.sim.costs import Link
 
 
 def test_fit_recovers_a_known_link() -> None:

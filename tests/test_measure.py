@@ -18,8 +18,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tplib import machine
-from tplib.costs import Link
 from tplib.measure import (
     BYTES_PER_ACTIVATION,
     BottleneckCost,
@@ -34,8 +32,10 @@ from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
 from tplib.runtime import LocalPool, RankResult, RunConfig, RunResult, measure_link
 from tplib.schedule import make_schedule
-from tplib.simulate import ConstantCosts, simulate
+from tplib.sim.costs import Link
+from tplib.sim.simulate import ConstantCosts, simulate
 from tplib.tables import run_table
+from tplib.util import machine
 
 # Other jobs on the machine make the harness warn; that is its business, not these tests'.
 pytestmark = pytest.mark.filterwarnings("ignore:.*cores were busy with other work")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tplib.config import get_config, n_params
+from tplib.nn.configs import get_config, n_params
 from tplib.paper import (
     GPIPE,
     MAIN_SPEEDUPS,

@@ -9,7 +9,7 @@ import pytest
 
 from tplib.cluster import ClusterCostModel
 from tplib.cluster.memory import STATE_BYTES, memory_per_gpu, stage_memory
-from tplib.config import get_config, stage_params
+from tplib.nn.configs import get_config, stage_params
 from tplib.partition import Layer, LayerChain, Topology, cluster_chain, profile_chain
 from tplib.perfmodel import Profile, build_profile
 from tplib.plan import Plan

@@ -11,10 +11,10 @@ from itertools import combinations, pairwise, product
 import numpy as np
 import pytest
 
-from tplib.config import get_config
+from tplib.nn.configs import get_config
+from tplib.nn.layer_ranges import check_stage_ranges
 from tplib.partition import DoesNotFit, Layer, LayerChain, Level, Topology, cluster_chain
 from tplib.partition.pipedream import PipeDreamPlan, PipeDreamStage, pipedream_partition
-from tplib.stages import check_stage_ranges
 
 GIB = 2.0**30
 INF = math.inf

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from tplib.cluster.memory import peak_in_flight
+from tplib.nn.layer_ranges import balanced_stages
 from tplib.partition.chain import DoesNotFit, Layer, LayerChain, cluster_chain
 from tplib.partition.topology import Level, Topology
 from tplib.partition.twobw import (
@@ -21,7 +22,6 @@ from tplib.partition.twobw import (
 )
 from tplib.plan import Plan
 from tplib.schedule.asynchronous import held_versions, min_microbatches, two_bw
-from tplib.stages import balanced_stages
 
 INF = float("inf")
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tplib.config import get_config
+from tplib.nn.configs import get_config
 from tplib.perfmodel import (
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY,
@@ -30,7 +30,7 @@ from tplib.perfmodel import (
     context_time,
     fit_context,
 )
-from tplib.planner import pipeline_latency, plan
+from tplib.planner import pipeline_latency, plan_slices
 
 TINY = get_config("tiny")
 A = np.array([2e-4, 3e-6, 1e-6, 5e-9])  # Eq. 9's a0..a3 for b = 1 in the analytic profile
@@ -286,7 +286,7 @@ def test_requests_outside_the_profile_name_the_point() -> None:
     with pytest.raises(ProfileError, match="token 72 is beyond the profile's seq_len L=64"):
         prof.slice_time(1, np.array([8]), np.array([64]))
     with pytest.raises(ValueError, match="was not profiled"):  # the planner's error type
-        plan(analytic_profile(batch_slice_sizes=(2,)), seq_len=64, batch=2, n_stages=2)
+        plan_slices(analytic_profile(batch_slice_sizes=(2,)), seq_len=64, batch=2, n_stages=2)
 
 
 @pytest.mark.parametrize(("bad", "match"), [(math.nan, "nan"), (-1e-3, "-0.001")])
@@ -310,10 +310,10 @@ def test_planner_runs_on_a_loaded_profile(tmp_path: Path) -> None:
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded.max_batch_slice_size == 2
     for method in ("exact", "paper"):
-        p = plan(loaded, seq_len=64, batch=3, n_stages=2, method=method)
+        p = plan_slices(loaded, seq_len=64, batch=3, n_stages=2, method=method)
         p.check_covers(3, 64)
         assert max(p.batch_slices) <= loaded.max_batch_slice_size
-    p = plan(loaded, seq_len=64, batch=3, n_stages=2)
+    p = plan_slices(loaded, seq_len=64, batch=3, n_stages=2)
     assert p.latency == pytest.approx(pipeline_latency(p, loaded, 2))
 
 

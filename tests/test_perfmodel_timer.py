@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import tplib.context
-import tplib.dropout
-from tplib.config import get_config
-from tplib.context import ATTENTION_IMPLS
-from tplib.linear import Linear
+import tplib.nn.context
+import tplib.nn.dropout
+from tplib.nn.configs import get_config
+from tplib.nn.context import ATTENTION_IMPLS
+from tplib.nn.linear import Linear
 from tplib.perfmodel import (
     ATTENTIONS,
     Profile,
@@ -109,8 +109,8 @@ def test_pipeline_stage_ranges_are_checked_before_timing() -> None:
 def test_wgrad_fraction_takes_a_median_over_several_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     # At repeats=1 a single run decided the share; one descheduled W made a profile that
     # broke its own fwd + wgrad < 1 rule. Each run computes the deferred W once.
+    from tplib.nn.wgrad import DeferredWeightGrads
     from tplib.perfmodel.timer import WGRAD_REPEATS, StageTimer
-    from tplib.wgrad import DeferredWeightGrads
 
     runs: list[object] = []
     compute = DeferredWeightGrads.compute
@@ -144,8 +144,8 @@ def test_timer_trains_with_the_models_dropout(
 ) -> None:
     """A model that drops is timed dropping (keyed masks) through the written-out
     attention, as the runtime's executor trains it; dropout=0 times it without."""
-    masks = _spy(monkeypatch, tplib.dropout, "keep")
-    written_out = _spy(monkeypatch, tplib.context, "math_attention")
+    masks = _spy(monkeypatch, tplib.nn.dropout, "keep")
+    written_out = _spy(monkeypatch, tplib.nn.context, "math_attention")
     drops = TINY.with_(dropout=0.1)
     timer = StageTimer(drops, 0, seq_len=16, stage=layers, repeats=1, warmup=0)
     assert (timer.dropout, timer.attention_timed) == (0.1, "math")

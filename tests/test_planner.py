@@ -26,7 +26,7 @@ from tplib.planner import (
     exact_joint,
     paper_joint,
     pipeline_latency,
-    plan,
+    plan_slices,
     token_dp,
     uniform,
 )
@@ -257,7 +257,7 @@ class LinearCost:
 @pytest.mark.parametrize("method", ["exact", "paper"])
 def test_plan_output_covers_the_batch_and_reports_its_latency(method: Method) -> None:
     cost = LinearCost()
-    p = plan(cost, seq_len=256, batch=6, n_stages=4, method=method, eps=1e-5)
+    p = plan_slices(cost, seq_len=256, batch=6, n_stages=4, method=method, eps=1e-5)
     p.check_covers(6, 256)
     assert all(s % 8 == 0 for ts in p.token_slices for s in ts)
     assert p.eps == 1e-5
@@ -280,10 +280,12 @@ def test_plan_output_covers_the_batch_and_reports_its_latency(method: Method) ->
 
 def test_batch_slices_respect_the_cost_models_and_the_callers_limit() -> None:
     times = np.ones((2, 3, 3))  # profiled for batch slices of 1 and 2 only
-    p = plan(TableCost(times, G), seq_len=16, batch=5, n_stages=3)
+    p = plan_slices(TableCost(times, G), seq_len=16, batch=5, n_stages=3)
     p.check_covers(5, 16)
     assert max(p.batch_slices) <= 2
-    q = plan(LinearCost(), seq_len=64, batch=5, n_stages=3, max_batch_slice_size=1, method="paper")
+    q = plan_slices(
+        LinearCost(), seq_len=64, batch=5, n_stages=3, max_batch_slice_size=1, method="paper"
+    )
     assert q.batch_slices == (1,) * 5
 
 
@@ -324,7 +326,7 @@ def test_bad_costs_name_the_slice_and_the_rule(bad: float, rule: str) -> None:
     times = np.ones((2, 4, 4))
     times[1, 2, 1] = bad  # batch 2, 16 tokens after 8 tokens of context
     with pytest.raises(ValueError, match=rf"{rule} slice time .* batch=2, length=16, context=8"):
-        plan(TableCost(times, G), seq_len=24, batch=2, n_stages=2)
+        plan_slices(TableCost(times, G), seq_len=24, batch=2, n_stages=2)
     with pytest.raises(ValueError, match=rf"{rule} slice time"):
         pipeline_latency([(2, [8, 16])], TableCost(times, G), 2)
 
@@ -334,15 +336,15 @@ def test_bad_arguments_are_refused_with_the_value() -> None:
     with pytest.raises(
         ValueError, match="seq_len L=20 is not a positive multiple of granularity g=8"
     ):
-        plan(LinearCost(), seq_len=20, batch=1, n_stages=2)
+        plan_slices(LinearCost(), seq_len=20, batch=1, n_stages=2)
     with pytest.raises(ValueError, match="n_stages K=0"):
-        plan(cost, seq_len=24, batch=1, n_stages=0)
+        plan_slices(cost, seq_len=24, batch=1, n_stages=0)
     with pytest.raises(ValueError, match="n_stages K=-1"):
         pipeline_latency([(1, [24])], cost, -1)
     with pytest.raises(ValueError, match=r"eps=-0\.1"):
-        plan(cost, seq_len=24, batch=1, n_stages=2, eps=-0.1)
+        plan_slices(cost, seq_len=24, batch=1, n_stages=2, eps=-0.1)
     with pytest.raises(ValueError, match="method='fast'"):
-        plan(cost, seq_len=24, batch=1, n_stages=2, method="fast")  # type: ignore[arg-type]
+        plan_slices(cost, seq_len=24, batch=1, n_stages=2, method="fast")  # type: ignore[arg-type]
 
 
 def test_batch_slices_beyond_the_cost_model_are_refused() -> None:
@@ -356,6 +358,6 @@ def test_batch_slices_beyond_the_cost_model_are_refused() -> None:
     with pytest.raises(ValueError, match=exceeds):
         uniform(cost, 24, 3, 2, n_slices=1, batch_slice_size=3)
     with pytest.raises(ValueError, match=r"max_batch_slice_size=3 is outside 1\.\.2"):
-        plan(cost, seq_len=24, batch=3, n_stages=2, max_batch_slice_size=3)
+        plan_slices(cost, seq_len=24, batch=3, n_stages=2, max_batch_slice_size=3)
     with pytest.raises(ValueError, match=r"max_batch_slice_size=0 is outside 1 or more"):
-        plan(LinearCost(), seq_len=24, batch=3, n_stages=2, max_batch_slice_size=0)
+        plan_slices(LinearCost(), seq_len=24, batch=3, n_stages=2, max_batch_slice_size=0)

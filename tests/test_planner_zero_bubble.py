@@ -26,7 +26,7 @@ from tests.test_planner import compositions
 from tplib.plan import Plan
 from tplib.planner.zero_bubble import plan_zero_bubble, zero_bubble_latency
 from tplib.schedule import Action, Kind
-from tplib.simulate import simulate_plan
+from tplib.sim.simulate import simulate_schedule
 
 G = 8  # granularity
 REL = 1e-9
@@ -267,12 +267,12 @@ def test_the_dp_plan_simulates_within_reach_of_the_best(
     costs = SplitCosts(model)
     sims = {}
     for p in all_plans(seq_len, batch):
-        latency = simulate_plan("terapipe-zb", n_stages, p, costs, validate=False).latency
+        latency = simulate_schedule("terapipe-zb", n_stages, p, costs, validate=False).latency
         assert latency == pytest.approx(sim_closed_form(model, p, n_stages), rel=REL), p
         assert latency >= t_zb(model, p, n_stages) * (1 - REL)
         sims[p] = latency
     got = plan_zero_bubble(model, seq_len=seq_len, batch=batch, n_stages=n_stages, granularity=G)
-    dp = simulate_plan("terapipe-zb", n_stages, got, costs).latency
+    dp = simulate_schedule("terapipe-zb", n_stages, got, costs).latency
     best = min(sims.values())
     fb = [x for size, ts in zip(got.batch_slices, got.token_slices, strict=True)
           for x in parts_fb(model, size, ts)]  # fmt: skip

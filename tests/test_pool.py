@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import tplib.runtime.pool
+from tplib.runs.settings import setting_run
 from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save_run_config
 from tplib.runtime.backend import BackendError
 from tplib.runtime.heartbeat import Beat
@@ -228,7 +229,7 @@ def _torchrun_main(
 def setting9(tmp_path: Path) -> Path:
     """Table 1 row (9): #Data x #Pipe x #Op = 1 x 96 x 4, eight ranks per node."""
     path = tmp_path / "setting9.json"
-    save_run_config(RunConfig.for_setting(9, plan="gpipe"), path)
+    save_run_config(setting_run(9, plan="gpipe"), path)
     return path
 
 

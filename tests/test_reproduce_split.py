@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tplib.files import write_csv
 from tplib.reproduce import Job, default_jobs
 from tplib.reproduce.split import PARTS_DIR, describe, gather, split_job
+from tplib.util.files import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tplib.oppart import shard_spec
+from tplib.nn.oppart import shard_spec
 from tplib.plan import Plan
 from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
 from tplib.runtime.worker import Worker
@@ -224,7 +224,7 @@ def test_erf_gelu_matches_single_process(pools: Callable[[int], LocalPool], sche
 @pytest.mark.parametrize("schedule", list(SLICED))
 def test_dropout_matches_single_process(pools: Callable[[int], LocalPool], schedule: str) -> None:
     # Masks keyed by position: every slice, stage and replica drops what the whole batch
-    # drops in the reference (tplib.dropout), recomputed or not.
+    # drops in the reference (tplib.nn.dropout), recomputed or not.
     run = _config(
         schedule, 2, 2, SLICED[schedule], recompute="full", model_overrides=(("dropout", 0.1),)
     )

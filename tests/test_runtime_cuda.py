@@ -27,9 +27,9 @@ Tolerances:
   most one, and the final parameters must be finite.
 - bf16 on CPU (not marked cuda, runs everywhere): losses within 1e-3 relative, every
   gradient within 2e-2 relative L2 error (measured: losses 6e-5, gradients 0.8% at most).
-- One process on CUDA: token-sliced execution (:func:`~tplib.slicing.run_pipeline_local`)
+- One process on CUDA: token-sliced execution (:func:`~tplib.nn.slicing.run_pipeline_local`)
   against the whole-sequence model in fp32 within 1e-5 of each tensor's scale, as
-  ``tests/test_slicing.py`` checks on CPU.
+  ``tests/test_nn_slicing.py`` checks on CPU.
 
 TF32: in torch 2.x ``torch.backends.cuda.matmul.allow_tf32`` defaults to False
 (``torch.get_float32_matmul_precision() == "highest"``), so fp32 matmuls are full fp32.
@@ -51,10 +51,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from tplib.config import get_config
-from tplib.context import attention_impls
-from tplib.data import synthetic_batch
-from tplib.model import GPTStage, build_model
+from tplib.nn.configs import get_config
+from tplib.nn.context import attention_impls
+from tplib.nn.data import synthetic_batch
+from tplib.nn.model import GPTStage, build_model
+from tplib.nn.slicing import full_batch_loss, run_pipeline_local
 from tplib.plan import Plan
 from tplib.runtime import (
     Hooks,
@@ -64,7 +65,6 @@ from tplib.runtime import (
     RunResult,
     train_reference,
 )
-from tplib.slicing import full_batch_loss, run_pipeline_local
 
 from .conftest import Pools, assert_scaled_close
 

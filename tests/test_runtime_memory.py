@@ -12,20 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplib.config import get_config
-from tplib.model import build_model
-from tplib.runtime.memory import (
-    MemoryMeter,
-    StageMemory,
+from tplib.nn.bytecount import (
     context_tensors,
-    cuda_peak,
     gradient_bytes,
     optimizer_bytes,
     parameter_bytes,
-    reset_cuda_peak,
     static_bytes,
     storage_bytes,
 )
+from tplib.nn.configs import get_config
+from tplib.nn.model import build_model
+from tplib.runtime.memory import MemoryMeter, StageMemory, cuda_peak, reset_cuda_peak
 
 F32, I64 = 4, 8
 CFG = get_config("tiny")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.test_runtime_config import FUZZ
+from tests.test_runtime_runconfig import FUZZ
 from tplib.plan import Plan
 from tplib.runtime import (
     RunConfig,

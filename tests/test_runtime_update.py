@@ -1,6 +1,6 @@
 """Tests for tplib.runtime.update: the gradient buffers a rank reduces and steps with.
 
-fp16 accumulates in fp32 main grads (tplib.precision): the buffers the all-reduces sum
+fp16 accumulates in fp32 main grads (tplib.nn.precision): the buffers the all-reduces sum
 and the step zeroes are those, and no fp16 gradient stays allocated. On CPU, with a
 one-rank stand-in for the process groups (every reduction over one rank is the identity);
 a RunConfig names device "cuda" to take fp16, which builds nothing on the device.
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tplib.data import synthetic_batch
-from tplib.model import build_model
-from tplib.runtime.config import RunConfig
+from tplib.nn.data import synthetic_batch
+from tplib.nn.model import build_model
+from tplib.nn.wgrad import main_grad
+from tplib.runtime.runconfig import RunConfig
 from tplib.runtime.update import Update
-from tplib.wgrad import main_grad
 
 
 class _OneRank:

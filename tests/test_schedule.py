@@ -27,7 +27,7 @@ from tplib.schedule import (
     ScheduleError,
     add_communication,
     add_update,
-    format_grid,
+    draw_schedule,
     gpipe,
     make_schedule,
     one_f_one_b,
@@ -191,7 +191,7 @@ def test_docstring_tables_match_generators() -> None:
     plan = Plan.from_paper("[(1, [2, 2])] * 3")
     doc = generators_module.__doc__ or ""
     for name in ("terapipe", "1f1b"):
-        assert textwrap.indent(format_grid(SCHEDULES[name](2, plan)), "    ") in doc
+        assert textwrap.indent(draw_schedule(SCHEDULES[name](2, plan)), "    ") in doc
 
 
 # ---- errors from generators --------------------------------------------------------------
@@ -351,10 +351,10 @@ def test_replay_with_transfer_times() -> None:
 
 def test_format_grid_marks_an_action() -> None:
     s = one_f_one_b(3, TOKEN_PLAN)
-    grid = format_grid(s, Action(Kind.RG, 0, 0, 1))  # a receive marks its backward
+    grid = draw_schedule(s, Action(Kind.RG, 0, 0, 1))  # a receive marks its backward
     assert ">B b0 t1<" in grid and grid.count(">") == 1
     assert len(grid.splitlines()) == 2 + 3
-    narrow = format_grid(s, Action(Kind.B, 0, 1, 0), max_steps=4)
+    narrow = draw_schedule(s, Action(Kind.B, 0, 1, 0), max_steps=4)
     assert ">B b1 t0<" in narrow and "..." in narrow
 
 
@@ -519,8 +519,8 @@ def test_zero_bubble_docstring_tables_match_generators(
     function: Callable[[int, Plan], Schedule],
 ) -> None:
     doc, n_stages, plan = _documented(function)
-    table = textwrap.indent(format_grid(function(n_stages, plan)), "    ")
-    assert table in doc, f"{function.__name__}'s clock table is not format_grid's:\n{table}"
+    table = textwrap.indent(draw_schedule(function(n_stages, plan)), "    ")
+    assert table in doc, f"{function.__name__}'s clock table is not draw_schedule's:\n{table}"
 
 
 def test_1f1b_zb_docstring_step_counts() -> None:

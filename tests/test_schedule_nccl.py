@@ -23,7 +23,7 @@ from tplib.schedule import (
     ScheduleError,
     make_schedule,
 )
-from tplib.schedule.grid import unit_cost
+from tplib.schedule.drawing import unit_cost
 from tplib.schedule.nccl import check_nccl, posting_plan, run_nccl
 
 STAGES = (1, 2, 3, 4, 6)

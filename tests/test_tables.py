@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 
 from tplib.paper import TABLE2, TABLE3, TABLE4, PaperResult, setting
 from tplib.plan import Plan
-from tplib.tables import TABLE_NAMES, TIMING_COLUMNS, Table, TableResult, get_table, run_table
-from tplib.tables.base import is_timing
-from tplib.tables.settings import (
+from tplib.search.setting import (
     compare_joint_methods,
     paper_flops,
     simulate_on_cluster,
     simulate_setting,
     tflops_per_gpu,
 )
+from tplib.tables import TABLE_NAMES, TIMING_COLUMNS, Table, TableResult, get_table, run_table
+from tplib.tables.base import is_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row
+from tplib.runs.settings import Launch, run_on_nodes, setting_run
 from tplib.runtime import RunConfig, save_run_config, train_reference
-from tplib.runtime.layouts import Launch, run_on_nodes
 from tplib.runtime.torchrun import load_result
 from tplib.tables import run_table
 from tplib.tables.nodes import run_settings
@@ -56,7 +56,7 @@ def test_setting_rows_come_from_the_runs_results(tmp_path: Path) -> None:
     assert row["paper_latency_terapipe"] == main_row(9, TERAPIPE).latency
     assert row["model"] == "GPT3-175B" and row["n_op"] == 4
     # The configs it wrote are setting (9)'s, as a cluster job would run them.
-    written = RunConfig.for_setting(9, plan="gpipe", steps=3)
+    written = setting_run(9, plan="gpipe", steps=3)
     assert (tmp_path / "setting9-gpipe.json").read_text().count('"n_op": 4') == 1
     assert written.world_size == 384
 

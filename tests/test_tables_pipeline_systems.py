@@ -78,7 +78,7 @@ def _by_system(df: pd.DataFrame) -> dict[str, dict[Hashable, Any]]:
 
 def test_rows_agree_with_the_main_results(setting8: pd.DataFrame) -> None:
     """GPipe and TeraPipe are the main results' two columns, computed there by another
-    path (simulate_plan, memory_per_gpu on the plan): the same numbers."""
+    path (simulate_schedule, memory_per_gpu on the plan): the same numbers."""
     table = pd.read_csv(ROOT / "results/main_results/main_results-simulate.csv")
     main = table[table["setting"] == 8].to_dict("records")[0]
     rows = _by_system(setting8)

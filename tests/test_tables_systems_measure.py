@@ -21,10 +21,10 @@ from tplib.measure import Profiling
 from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
 from tplib.schedule import Action, Kind
-from tplib.simulate import ConstantCosts
+from tplib.sim.simulate import ConstantCosts
+from tplib.sim.throughput import steady_window
 from tplib.tables import run_table
 from tplib.tables.systems_measure import RecomputeCosts, measured_systems, statistical_efficiency
-from tplib.throughput import steady_window
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*cores were busy with other work")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tplib.config import MODELS, GPTConfig, get_config, n_params
+from tplib.nn.configs import MODELS, GPTConfig, get_config, n_params
 from tplib.plan import Plan, Unit
 
 if TYPE_CHECKING:
-    from tplib.model import GPTStage, build_model
+    from tplib.nn.model import GPTStage, build_model
 
 __all__ = [
     "MODELS",
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in ("GPTStage", "build_model"):
-        import tplib.model
+        import tplib.nn.model
 
-        return getattr(tplib.model, name)
+        return getattr(tplib.nn.model, name)
     raise AttributeError(f"module 'tplib' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from tplib.config import GPTConfig, get_config
+from tplib.nn.configs import GPTConfig, get_config
 from tplib.plan import Plan
 
 __all__ = [
@@ -51,7 +51,7 @@ class Setting:
     """One row of Table 1: a model and its parallel training layout."""
 
     index: int  # (1)..(10) in the paper
-    model: str  # name in tplib.config.MODELS
+    model: str  # name in tplib.nn.configs.MODELS
     n_layer: int  # N
     hidden: int  # H
     params_text: str  # the "#Params" column as printed ("1B", "175B")

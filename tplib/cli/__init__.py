@@ -33,9 +33,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tplib.cli.partitioning import autoplan_command, partition_command
-from tplib.cli.planning import plan_command, profile_command, simulate_command
+from tplib.cli.predict import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
-from tplib.config import PRECISIONS
+from tplib.nn.configs import PRECISIONS
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
 from tplib.perfmodel.conditions import IMPLS
 from tplib.tables import TABLE_NAMES

@@ -11,7 +11,6 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tplib.autoplan import autoplan
 from tplib.partition import LayerChain, Topology, cluster_chain, profile_chain
 from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
@@ -19,6 +18,7 @@ from tplib.partition.simulated import twobw_simulated
 from tplib.partition.twobw import twobw_plan
 from tplib.perfmodel.conditions import UNKNOWN
 from tplib.perfmodel.profile import Profile
+from tplib.search.layout import autoplan
 
 __all__ = ["autoplan_command", "partition_command"]
 
@@ -46,9 +46,9 @@ def autoplan_command(args: argparse.Namespace) -> int:
     else:
         print(search.report(args.top))
     if args.out:
+        from tplib.runs.partitioned import search_run
+        from tplib.runs.settings import launch_commands
         from tplib.runtime import save_run_config
-        from tplib.runtime.layouts import launch_commands
-        from tplib.runtime.planned import search_run
 
         run = search_run(search, steps=args.steps, warmup=args.warmup)
         save_run_config(run, args.out)

@@ -165,9 +165,9 @@ def reproduce_command(args: argparse.Namespace) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from tplib.config import check_precision, check_recompute
+    from tplib.nn.configs import check_precision, check_recompute
+    from tplib.runs.settings import launch_commands, setting_run
     from tplib.runtime import save_run_config
-    from tplib.runtime.layouts import launch_commands, setting_run
 
     check_precision(args.dtype)  # before the setting is planned, not after
     check_recompute(args.recompute)

@@ -18,7 +18,7 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
   dropout's share only when the model trains with dropout (``GPTConfig.dropout``; the
   paper's GPT-3 configs, as GPT-3 trained with 0.1);
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
-  over NVLink, a ring (:func:`~tplib.costs.ring_allreduce`) plus ``collective_latency``.
+  over NVLink, a ring (:func:`~tplib.sim.costs.ring_allreduce`) plus ``collective_latency``.
 
 :func:`embedding_times` and :func:`head_times` price the two ends of the model the
 same way, for the planners that partition the whole chain (:mod:`tplib.partition`).
@@ -33,8 +33,8 @@ import numpy as np
 
 from tplib.cluster.calibration import Calibration
 from tplib.cluster.hardware import FP16, FP32, Hardware
-from tplib.config import GPTConfig, n_params_per_layer
-from tplib.costs import ring_allreduce
+from tplib.nn.configs import GPTConfig, n_params_per_layer
+from tplib.sim.costs import ring_allreduce
 
 __all__ = [
     "embedding_times",

@@ -3,8 +3,8 @@
 One :class:`ClusterCostModel` prices a Table-1 layout (#Pipe stages K of N/K layers,
 each stage operation-partitioned over #Op GPUs, #Data replicas; see
 :mod:`tplib.cluster.layout`) for both consumers: the DP planner (``slice_time``, a
-:class:`~tplib.costs.SliceCostModel`) and the simulator (``compute``/``transfer``/
-``allreduce``/``optimizer``, an :class:`~tplib.costs.ActionCosts`). It models the
+:class:`~tplib.sim.costs.SliceCostModel`) and the simulator (``compute``/``transfer``/
+``allreduce``/``optimizer``, an :class:`~tplib.sim.costs.ActionCosts`). It models the
 paper's implementation (appendix B: PyTorch + NCCL + Megatron-LM, fp16 layers, fp32
 master weights, Adam): only the N transformer layers are pipelined, which is also what
 the paper's TFLOPS column counts.
@@ -32,11 +32,11 @@ from tplib.cluster.compute import hbm_rate, layer_times, layer_wgrad_time, nvlin
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
 from tplib.cluster.layout import check_layout, gpu_rank, send_ranks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
-from tplib.config import GPTConfig, check_recompute, get_config, n_params_per_layer
-from tplib.costs import memo, ring_allreduce, unit_shape
+from tplib.nn.configs import GPTConfig, check_recompute, get_config, n_params_per_layer
 from tplib.paper import Setting
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices, link_of
+from tplib.sim.costs import memo, ring_allreduce, unit_shape
 
 __all__ = ["ClusterCostModel"]
 
@@ -275,7 +275,7 @@ class ClusterCostModel:
         """A ``W``: the stage's weight-gradient products over the unit's tokens, or with
         ``action.whole_sequence`` over the whole sequence's at once (one product per
         weight, one ``w.grad +=``). A split ``B`` costs the backward less the unit's
-        ``W`` (see :class:`~tplib.costs.SplitBackwardCosts`), so the host floor stays
+        ``W`` (see :class:`~tplib.sim.costs.SplitBackwardCosts`), so the host floor stays
         with ``B``."""
         ts = plan.token_slices[action.b]
         length = sum(ts[t] for t in covered_slices(plan, action.b, action.t))

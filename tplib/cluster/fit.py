@@ -49,7 +49,7 @@ def _gpipe_schedule(n_stages: int, pipeline_batch: int, seq_len: int) -> Schedul
 
 def _gpipe_latencies(cal: Calibration, rows: list[PaperResult]) -> np.ndarray:
     """Simulated GPipe latency of each row's setting under ``cal``."""
-    from tplib.simulate import simulate
+    from tplib.sim.simulate import simulate
 
     out = []
     for r in rows:
@@ -143,7 +143,7 @@ def fit_calibration(
 
     For each (fields, settings) of ``stages`` in turn: minimise sum_i (log sim_i - log
     paper_i)^2 over the "w/o TeraPipe" rows of those settings, where sim_i is
-    :func:`tplib.simulate.simulate` of the GPipe schedule (microbatches of one sequence)
+    :func:`tplib.sim.simulate.simulate` of the GPipe schedule (microbatches of one sequence)
     on :class:`ClusterCostModel`, by Gauss-Newton in log-parameter space (forward
     differences, step halving, efficiencies bounded to (0.01, 1]), starting at ``start``.
     Deterministic. No TeraPipe number enters the fit. The result also simulates the GPipe

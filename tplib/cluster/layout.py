@@ -17,7 +17,7 @@ network.
 from __future__ import annotations
 
 from tplib.cluster.hardware import P3_16XLARGE, Hardware
-from tplib.config import GPTConfig
+from tplib.nn.configs import GPTConfig
 
 __all__ = ["check_layout", "gpu_rank", "send_ranks"]
 

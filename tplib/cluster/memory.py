@@ -34,7 +34,7 @@ import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
-from tplib.config import (
+from tplib.nn.configs import (
     GPTConfig,
     check_recompute,
     get_config,
@@ -73,7 +73,7 @@ ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32
 
 # tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
 # Adam's m and v. fp16: an fp16 weight, its gradient accumulated in an fp32 main grad that
-# is also the master gradient (tplib.optimizer), the fp32 master weight, Adam's m and v.
+# is also the master gradient (tplib.nn.optimizer), the fp32 master weight, Adam's m and v.
 RUNTIME_STATE_BYTES = {
     "fp32": FP32 + FP32 + FP32 + FP32,
     "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
@@ -245,7 +245,7 @@ class Inventory:
 
 
 def runtime_inventory(precision: str = "fp32") -> Inventory:
-    """tplib's block (:mod:`tplib.model`) as autograd sees it. Replicated: LN1's input and
+    """tplib's block (:mod:`tplib.nn.model`) as autograd sees it. Replicated: LN1's input and
     output, LN2's input and output. Partitioned: the QKV product (q, k and v are views of
     it), the attention output (the output projection reads a view of it), FC1's output
     (GELU's input, 4H) and GELU's output (4H). Statistics: mean and 1/std of two
@@ -313,7 +313,7 @@ def stage_memory(
     first, last = lo == 0, hi == cfg.n_layer
     vocab_rows = -(-cfg.vocab_size // n_op)
     heads = cfg.n_head / n_op
-    # With dropout (tplib.dropout) attention is written out: no log-sum-exp, but per
+    # With dropout (tplib.nn.dropout) attention is written out: no log-sum-exp, but per
     # score the fp32 softmax, the 1-byte mask and the dropped probabilities; and a 1-byte
     # mask per hidden element of each residual branch (and of the embeddings).
     dropout = cfg.dropout > 0

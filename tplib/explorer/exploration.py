@@ -7,7 +7,7 @@ baseline and, on the cluster model, the memory per GPU.
 
 "Predicted" latencies are the planner's objective ``sum t + (K - 1) max t`` (Eq. 5)
 under the cost model's slice times; "simulated" ones replay the schedule in
-:func:`tplib.simulate.simulate`, which on the cluster model also prices the pipeline's
+:func:`tplib.sim.simulate.simulate`, which on the cluster model also prices the pipeline's
 sends and each stage's all-reduce (``AR``) and optimizer step (``OPT``).
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 import pandas as pd
 
 from tplib.cluster import ClusterCostModel, MemoryEstimate
-from tplib.costs import ActionCosts, SliceCostModel, memo
 from tplib.explorer.scenario import Scenario, cost_model
 from tplib.plan import Plan
-from tplib.planner import pipeline_latency, plan, uniform
-from tplib.simulate import SimResult, costs_from_slice_model, simulate_plan
+from tplib.planner import pipeline_latency, plan_slices, uniform
+from tplib.sim.costs import ActionCosts, SliceCostModel, memo
+from tplib.sim.simulate import SimResult, costs_from_slice_model, simulate_schedule
 
 __all__ = ["MAX_SIM_ACTIONS", "Exploration", "explore"]
 
@@ -98,7 +98,14 @@ class Exploration:
             ),
             ("GPipe (w/o TeraPipe)", gpipe, self.gpipe_predicted, g_sim, gib[1], fits[1]),
         ]
-        columns = ["algorithm", "plan", "predicted_s", "simulated_s", "memory_gib", "fits_memory"]
+        columns = [
+            "algorithm",
+            "plan_slices",
+            "predicted_s",
+            "simulated_s",
+            "memory_gib",
+            "fits_memory",
+        ]
         df = pd.DataFrame(rows, columns=columns)
         df.insert(4, "speedup_predicted", self.gpipe_predicted / df["predicted_s"])
         df.insert(5, "speedup_simulated", g_sim / df["simulated_s"])
@@ -166,7 +173,7 @@ def explore(scenario: Scenario) -> Exploration:
     sc, notes = scenario, []
     cost = cost_model(sc)
     t0 = time.perf_counter()
-    p = plan(
+    p = plan_slices(
         cost,
         seq_len=sc.seq_len,
         batch=sc.pipeline_batch,
@@ -192,7 +199,7 @@ def explore(scenario: Scenario) -> Exploration:
     def replay(what: str, schedule: str, candidate: Plan) -> SimResult | None:
         actions = 2 * candidate.n_units * sc.n_stages
         if actions <= MAX_SIM_ACTIONS:
-            return simulate_plan(schedule, sc.n_stages, candidate, costs, validate=False)
+            return simulate_schedule(schedule, sc.n_stages, candidate, costs, validate=False)
         notes.append(
             f"{what} not simulated: {actions} compute actions exceed {MAX_SIM_ACTIONS} "
             "(seconds to replay)"

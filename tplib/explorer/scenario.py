@@ -23,11 +23,11 @@ from typing import Any, get_args
 import numpy as np
 
 from tplib.cluster import ClusterCostModel, check_layout
-from tplib.config import MODELS, get_config
-from tplib.costs import SliceCostModel
+from tplib.nn.configs import MODELS, get_config
 from tplib.paper import SEQLEN_BATCH, setting
 from tplib.perfmodel import Profile
-from tplib.tables.settings import EPS, GRANULARITY, Method
+from tplib.search.setting import EPS, GRANULARITY, Method
+from tplib.sim.costs import SliceCostModel
 
 __all__ = [
     "CLUSTER",
@@ -53,7 +53,7 @@ class Scenario:
     """What to plan. ``pipeline_batch`` is B / #Data, the sequences ONE pipeline
     processes per iteration."""
 
-    model: str  # a name in tplib.config.MODELS (with a profile: the profiled model)
+    model: str  # a name in tplib.nn.configs.MODELS (with a profile: the profiled model)
     seq_len: int  # L
     pipeline_batch: int  # B / #Data
     n_stages: int  # K (#Pipe)

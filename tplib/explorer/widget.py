@@ -30,7 +30,6 @@ import ipywidgets as ipw
 import pandas as pd
 from matplotlib.figure import Figure
 
-from tplib.config import MODELS
 from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.plot import figure
 from tplib.explorer.scenario import (
@@ -40,6 +39,7 @@ from tplib.explorer.scenario import (
     scenario_for_profile,
     scenario_for_setting,
 )
+from tplib.nn.configs import MODELS
 from tplib.paper import SEQLEN_BATCH, SETTINGS, setting
 
 __all__ = ["CACHE_SIZE", "CUSTOM", "Explorer", "build_explorer"]

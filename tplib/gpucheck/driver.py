@@ -26,11 +26,11 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tplib.files import atomic_write, write_json, write_text
 from tplib.gpucheck.node import Node, device_slug, inspect_node
 from tplib.gpucheck.proofs import checkout_env
 from tplib.gpucheck.result import RESULT_MARK, StepResult
 from tplib.gpucheck.steps import STEPS
+from tplib.util.files import atomic_write, write_json, write_text
 
 __all__ = ["main", "run_check", "run_step", "summary_text"]
 

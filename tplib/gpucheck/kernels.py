@@ -5,7 +5,7 @@
 - :func:`time_slicing`: a stage's forward + backward over a whole sequence against the
   same in 8 or 16 token slices, with and without fused weight gradients (``W``): what
   slicing costs, which TeraPipe's gain must outweigh.
-- :func:`time_dropout`: the position-keyed dropout (:mod:`tplib.dropout`) against
+- :func:`time_dropout`: the position-keyed dropout (:mod:`tplib.nn.dropout`) against
   attention without it: whether runs with dropout can be timed as the paper's layouts.
 
 On a GPU every timing is a pair of CUDA events around the work, read once it is done;
@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tplib.config import GPTConfig, n_params_per_layer
-from tplib.context import math_attention
-from tplib.dropout import SITE_PROBS, DropoutKey, StageDropout, layer_site
-from tplib.model import GPTStage, build_model
+from tplib.nn.configs import GPTConfig, n_params_per_layer
+from tplib.nn.context import math_attention
+from tplib.nn.dropout import SITE_PROBS, DropoutKey, StageDropout, layer_site
+from tplib.nn.model import GPTStage, build_model
+from tplib.nn.precision import autocast, param_dtype
+from tplib.nn.slicing import run_pipeline_local
 from tplib.plan import Plan
-from tplib.precision import autocast, param_dtype
-from tplib.slicing import run_pipeline_local
 
 if TYPE_CHECKING:
     import pandas as pd

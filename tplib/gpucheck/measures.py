@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tplib.config import get_config
-from tplib.files import save_figure, write_csv, write_json
 from tplib.gpucheck.result import StepResult
 from tplib.gpucheck.sizes import MEMORY_CASES, MEMORY_TARGET, MFU_TARGET, SLICING_TARGET, Sizes
+from tplib.nn.configs import get_config
+from tplib.util.files import save_figure, write_csv, write_json
 
 if TYPE_CHECKING:
     import pandas as pd

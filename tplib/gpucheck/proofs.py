@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from tplib.files import write_json, write_text
 from tplib.gpucheck.result import StepResult
 from tplib.gpucheck.sizes import Sizes
+from tplib.util.files import write_json, write_text
 
 __all__ = [
     "ROOT",

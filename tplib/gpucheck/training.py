@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tplib.config import GPTConfig
-from tplib.data import synthetic_batch
 from tplib.gpucheck.kernels import layer_forward_flops, time_alternating
-from tplib.model import build_model
-from tplib.optimizer import make_optimizer
+from tplib.nn.configs import GPTConfig
+from tplib.nn.data import synthetic_batch
+from tplib.nn.model import build_model
+from tplib.nn.optimizer import make_optimizer
+from tplib.nn.precision import autocast
+from tplib.nn.slicing import full_batch_loss
 from tplib.plan import Plan
-from tplib.precision import autocast
-from tplib.slicing import full_batch_loss
 
 if TYPE_CHECKING:
     import pandas as pd

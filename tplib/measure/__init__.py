@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tplib.measure.costs import BYTES_PER_ACTIVATION, BottleneckCost, LocalCosts, local_costs
 from tplib.measure.options import TABLE_MODEL, Profiling, grid
+from tplib.measure.pricing import BYTES_PER_ACTIVATION, BottleneckCost, LocalCosts, local_costs
 from tplib.measure.shared import SharedCores, simulate_shared
 
 if TYPE_CHECKING:

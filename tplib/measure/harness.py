@@ -29,18 +29,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from tplib.config import GPTConfig, get_config
-from tplib.costs import ActionCosts, Link
-from tplib.machine import busy_cores, cpu_count, threads_per_process
-from tplib.measure.costs import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.options import Profiling
+from tplib.measure.pricing import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.shared import simulate_shared
+from tplib.nn.configs import GPTConfig, get_config
 from tplib.perfmodel import Profile, profile_pipeline
 from tplib.perfmodel.contention import Contention, measure_contention
 from tplib.plan import Plan
-from tplib.planner import plan as plan_slices
+from tplib.planner import plan_slices
 from tplib.runtime import LocalPool, RunConfig, RunResult, measure_link
-from tplib.simulate import SimResult, simulate
+from tplib.sim.costs import ActionCosts, Link
+from tplib.sim.simulate import SimResult, simulate
+from tplib.util.machine import busy_cores, cpu_count, threads_per_process
 
 __all__ = ["Bench", "Measured", "measured_bench"]
 

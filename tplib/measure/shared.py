@@ -3,7 +3,7 @@
 The simulator gives each stage a processor of its own. Local pipeline processes do not
 have one, and stages computing at the same time slow each other down in two ways:
 
-- where the stages and the other jobs (:func:`tplib.machine.busy_cores`) want more cores
+- where the stages and the other jobs (:func:`tplib.util.machine.busy_cores`) want more cores
   than there are, they share them (processor sharing);
 - even with a core each, they share the memory bandwidth and caches: a stage's work
   stretches by its measured contention factor
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tplib.costs import ActionCosts
 from tplib.plan import Plan
 from tplib.schedule import LOCAL_WORK, NO_UNIT, Action, Kind, Schedule
-from tplib.simulate import SimResult, simulate, split_backward_costs
+from tplib.sim.costs import ActionCosts
+from tplib.sim.simulate import SimResult, simulate, split_backward_costs
 
 __all__ = ["SharedCores", "simulate_shared"]
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tplib.nn.layer_ranges import StageRange
 from tplib.partition.chain import LayerChain
-from tplib.stages import StageRange
 
 __all__ = ["balance", "cell_costs"]
 

@@ -7,7 +7,7 @@ keeps for its backward. A :class:`LayerChain` holds them for one microbatch, on 
 of an #Op group, with the model's two ends folded into its first and last layer: layer 0
 carries the embeddings, layer N-1 the final LayerNorm, the LM head and the loss. That
 makes the first and last stages heavier, as they are, and keeps every cut a cut of the
-runtime's stages (a stage is a layer range ``[lo, hi)``, :mod:`tplib.stages`), so a
+runtime's stages (a stage is a layer range ``[lo, hi)``, :mod:`tplib.nn.layer_ranges`), so a
 planner's partition runs as ``RunConfig(stage_ranges=...)``.
 
 Two sources build a chain:
@@ -40,7 +40,7 @@ from tplib.cluster.memory import (
     activation_rates,
     stage_memory,
 )
-from tplib.config import GPTConfig, check_precision, get_config, stage_params
+from tplib.nn.configs import GPTConfig, check_precision, get_config, stage_params
 from tplib.perfmodel.profile import Profile
 from tplib.plan import Plan
 from tplib.schedule import Action, Kind

@@ -8,26 +8,26 @@ schedules from the same :class:`~tplib.partition.chain.LayerChain` (a stage's fo
 and backward, a boundary's bytes at the topology's bandwidth, the stage's ring
 all-reduce over its replicas; sends do not block, as the closed form assumes), so
 :func:`twobw_simulated` can replay the ``2bw`` schedule of a configuration and read its
-steady state (:func:`tplib.throughput.steady_state`). Where the two differ, the closed
+steady state (:func:`tplib.sim.throughput.steady_state`). Where the two differ, the closed
 form has assumed an overlap the schedule does not give: an all-reduce on a stage's own
 stream holds its next forward, and a slower stage starves its neighbours.
 """
 
 from __future__ import annotations
 
-from tplib.costs import ring_allreduce
 from tplib.partition.chain import LayerChain
 from tplib.partition.topology import Topology
 from tplib.partition.twobw import TwoBWConfig, placement
 from tplib.plan import Plan
 from tplib.schedule import Action, Kind
-from tplib.throughput import steady_state
+from tplib.sim.costs import ring_allreduce
+from tplib.sim.throughput import steady_state
 
 __all__ = ["ChainCosts", "twobw_simulated"]
 
 
 class ChainCosts:
-    """:class:`~tplib.costs.ActionCosts` of one replica of a pipeline of ``stage_ranges``
+    """:class:`~tplib.sim.costs.ActionCosts` of one replica of a pipeline of ``stage_ranges``
     over ``chain``, its stages replicated ``width`` times on ``topology`` (rank = stage x
     width + replica, as the 2BW planner places them). Units are whole microbatches of
     ``chain.microbatch`` sequences."""

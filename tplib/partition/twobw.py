@@ -47,11 +47,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from tplib.costs import ring_allreduce
+from tplib.nn.layer_ranges import StageRange, balanced_stages
 from tplib.partition.chain import DoesNotFit, LayerChain
 from tplib.partition.topology import Topology
 from tplib.schedule.asynchronous import min_microbatches
-from tplib.stages import StageRange, balanced_stages
+from tplib.sim.costs import ring_allreduce
 
 __all__ = [
     "TwoBWConfig",

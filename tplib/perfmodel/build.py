@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tplib.config import GPTConfig
+from tplib.nn.configs import GPTConfig
 from tplib.perfmodel.profile import (
     REDUCE,
     Profile,

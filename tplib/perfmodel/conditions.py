@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 
-from tplib.config import PRECISIONS
+from tplib.nn.configs import PRECISIONS
 
 __all__ = [
     "ATTENTIONS",
@@ -29,12 +29,12 @@ __all__ = [
 
 UNKNOWN = "unknown"  # what an older file does not say
 # What a slice's attention was timed as: "default" (the implementation the runtime picks
-# for the device, tplib.context.slice_attention), "split" or "masked" (named ones), or
-# "math" (written out, tplib.context.math_attention: what any run with dropout runs).
-IMPLS = ("split", "masked")  # tplib.context.ATTENTION_IMPLS: the ones a profile may name
+# for the device, tplib.nn.context.slice_attention), "split" or "masked" (named ones), or
+# "math" (written out, tplib.nn.context.math_attention: what any run with dropout runs).
+IMPLS = ("split", "masked")  # tplib.nn.context.ATTENTION_IMPLS: the ones a profile may name
 ATTENTIONS = ("default", *IMPLS, "math")
 # Bytes per activation element sent between stages: the runtime sends the parameters'
-# dtype (tplib.precision.param_dtype), float32 under bf16 autocast too.
+# dtype (tplib.nn.precision.param_dtype), float32 under bf16 autocast too.
 WIRE_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2, UNKNOWN: 4}
 
 

@@ -1,7 +1,7 @@
 """How much the stages of a local pipeline slow each other by computing at the same time.
 
 Profiles (:mod:`~tplib.perfmodel.timer`) time each stage alone. A local pipeline's
-processes each have cores of their own (:func:`tplib.machine.threads_per_process`), but
+processes each have cores of their own (:func:`tplib.util.machine.threads_per_process`), but
 they share the memory bandwidth, the last-level cache and the package's clock budget, so
 a stage that computes while another does runs slower than its profile says.
 
@@ -28,10 +28,10 @@ from multiprocessing.synchronize import Barrier
 
 import torch
 
-from tplib.config import GPTConfig, get_config
+from tplib.nn.configs import GPTConfig, get_config
+from tplib.nn.layer_ranges import balanced_stages, check_stage_ranges
 from tplib.perfmodel.profile import ProfileError, grid_steps
 from tplib.perfmodel.timer import StageTimer
-from tplib.stages import balanced_stages, check_stage_ranges
 
 __all__ = ["Contention", "measure_contention"]
 

@@ -11,7 +11,7 @@ l = g, 2g, ..., L and the four coefficients of the paper's context model
 on and their held-out errors.
 ``Profile.slice_time`` adds the slice's communication over the link between stages
 (activation bytes / bandwidth + latency, once forward and once backward) and is a
-:class:`~tplib.costs.SliceCostModel`; ``Profile.compute_time`` is the stage's own
+:class:`~tplib.sim.costs.SliceCostModel`; ``Profile.compute_time`` is the stage's own
 compute, which the simulator prices apart.
 
 A profile also says what it timed: the ``precision`` (as a run's: fp32, bf16 autocast,
@@ -37,9 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from tplib.config import GPTConfig
-from tplib.costs import Link
-from tplib.files import write_json
+from tplib.nn.configs import GPTConfig
+from tplib.nn.layer_ranges import check_stage_range
 from tplib.perfmodel.conditions import (
     UNKNOWN,
     WIRE_BYTES,
@@ -49,7 +48,8 @@ from tplib.perfmodel.conditions import (
     warn_mismatch,
 )
 from tplib.plan import grid_size
-from tplib.stages import check_stage_range
+from tplib.sim.costs import Link
+from tplib.util.files import write_json
 
 __all__ = [
     "DEFAULT_LINK_BANDWIDTH",
@@ -168,7 +168,7 @@ class Profile:
     fwd_fraction: float = 1 / 3  # the forward's share of t(b, l, c); 1/3 unless measured
     optimizer_time: float = 0.0  # seconds of the stage's AdamW step (0: not measured)
     # The weight gradients' share of a whole-sequence t(b, L, 0), computed at once after a
-    # split backward (tplib.wgrad); 0: not measured.
+    # split backward (tplib.nn.wgrad); 0: not measured.
     wgrad_fraction: float = 0.0
     # The measured table when ``times`` holds its smoothed fit (smooth_lengths); else empty.
     raw_times: tuple[tuple[float, ...], ...] = ()
@@ -379,7 +379,7 @@ class Profile:
             raise ProfileError(f"malformed profile: {exc}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write JSON atomically (:func:`tplib.files.write_json`): a reader never sees
+        """Write JSON atomically (:func:`tplib.util.files.write_json`): a reader never sees
         half a profile."""
         write_json(path, self.to_dict(), indent=1)
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tplib.config import GPTConfig, get_config
-from tplib.machine import threads_per_process
+from tplib.nn.configs import GPTConfig, get_config
+from tplib.nn.layer_ranges import balanced_stages, check_stage_ranges
 from tplib.perfmodel.build import build_profile
 from tplib.perfmodel.profile import (
     DEFAULT_LINK_BANDWIDTH,
@@ -29,7 +29,7 @@ from tplib.perfmodel.profile import (
     grid_steps,
 )
 from tplib.perfmodel.timer import StageTimer
-from tplib.stages import balanced_stages, check_stage_ranges
+from tplib.util.machine import threads_per_process
 
 __all__ = ["profile_pipeline", "profile_stage"]
 
@@ -151,7 +151,7 @@ def profile_pipeline(
 ) -> list[Profile]:
     """Profile every stage of a ``n_stages``-stage pipeline of ``model``, one
     :class:`~tplib.perfmodel.profile.Profile` per stage: layers ``stage_ranges``
-    (default: :func:`~tplib.stages.balanced_stages`), the first with the embeddings, the
+    (default: :func:`~tplib.nn.layer_ranges.balanced_stages`), the first with the embeddings, the
     last with the LM head and loss. ``kwargs`` go to :func:`profile_stage` (seq_len,
     batch_slice_sizes, granularity, repeats, rounds, precision, dropout, ...).
 

@@ -11,8 +11,8 @@ stage with the embeddings, the last with the LM head and loss.
 
 It times what a run does, since a plan is priced on it: the run's ``precision`` (fp32;
 bf16 autocast over fp32 parameters; fp16 parameters whose gradients accumulate in fp32
-main grads, as :mod:`tplib.precision` and the runtime do), the model's ``dropout`` (keyed
-masks through a :class:`~tplib.dropout.DropoutKey`, with the attention written out, as
+main grads, as :mod:`tplib.nn.precision` and the runtime do), the model's ``dropout`` (keyed
+masks through a :class:`~tplib.nn.dropout.DropoutKey`, with the attention written out, as
 the runtime's executor trains), and the attention implementation the runtime picks for
 the device unless one is named. The profile records all three.
 """
@@ -26,22 +26,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tplib.config import GPTConfig, check_precision
-from tplib.context import StageContext, attention_impls
-from tplib.dropout import DropoutKey
-from tplib.linear import Linear
-from tplib.model import build_model
+from tplib.nn.configs import GPTConfig, check_precision
+from tplib.nn.context import StageContext, attention_impls
+from tplib.nn.dropout import DropoutKey
+from tplib.nn.layer_ranges import check_stage_range
+from tplib.nn.linear import Linear
+from tplib.nn.model import build_model
+from tplib.nn.precision import attach_main_grads, autocast, param_dtype
+from tplib.nn.wgrad import DeferredWeightGrads, grad_buffer
 from tplib.perfmodel.conditions import run_attention
 from tplib.perfmodel.profile import (
     ProfileError,
     grid_steps,
 )
 from tplib.plan import Unit
-from tplib.precision import attach_main_grads, autocast, param_dtype
-from tplib.runtime.config import RunConfig
+from tplib.runtime.runconfig import RunConfig
 from tplib.runtime.update import stage_optimizer
-from tplib.stages import check_stage_range
-from tplib.wgrad import DeferredWeightGrads, grad_buffer
 
 __all__ = ["StageTimer"]
 
@@ -122,7 +122,7 @@ class StageTimer:
         if attention is not None and dropout > 0:
             raise ProfileError(
                 f"attention={attention!r} with dropout={dropout}: a stage that drops writes "
-                "attention out (tplib.context.math_attention), as a run does; leave attention "
+                "attention out (tplib.nn.context.math_attention), as a run does; leave attention "
                 "None, or time without dropout (dropout=0)"
             )
         if stage is None:
@@ -233,7 +233,7 @@ class StageTimer:
     def wgrad_fraction(self, batch: int, length: int) -> float:
         """The weight gradients' median share of a whole-sequence forward + split
         backward of ``batch`` x ``length`` tokens: F, then B leaving the products' weight
-        gradients to one W (:mod:`tplib.wgrad`), then that W; over at least
+        gradients to one W (:mod:`tplib.nn.wgrad`), then that W; over at least
         :data:`WGRAD_REPEATS` runs."""
         linears = [m for m in self.stage.modules() if isinstance(m, Linear)]
         store = DeferredWeightGrads()

@@ -3,21 +3,21 @@
 Plans: :func:`token_dp` (one batch-slice size), :func:`paper_joint` (§3.4: the token DP
 for every batch-slice size, then a knapsack over the batch split), :func:`exact_joint`
 (one ``t_max`` shared by all units: the true fill-drain latency) and the ablation
-baseline :func:`uniform` / :func:`best_uniform`; :func:`plan` is the entry point. Any
-:class:`~tplib.costs.SliceCostModel` prices the slices. One mechanism per module:
+baseline :func:`uniform` / :func:`best_uniform`; :func:`plan_slices` is the entry point. Any
+:class:`~tplib.sim.costs.SliceCostModel` prices the slices. One mechanism per module:
 
-- :mod:`~tplib.planner.grid`: the cost grid the DP reads, and :class:`TableCost`;
+- :mod:`~tplib.planner.cost_table`: the cost grid the DP reads, and :class:`TableCost`;
 - :mod:`~tplib.planner.dp`: Algorithm 1 vectorised and the ``t_max`` window search;
-- :mod:`~tplib.planner.joint`: joint batch x token plans, and :func:`plan`;
+- :mod:`~tplib.planner.joint`: joint batch x token plans, and :func:`plan_slices`;
 - :mod:`~tplib.planner.evaluate`: :func:`pipeline_latency` of any plan, the uniform
   baseline.
 """
 
-from tplib.costs import SliceCostModel
+from tplib.planner.cost_table import TableCost, slice_time_table
 from tplib.planner.dp import TokenSlicing, algorithm1, token_dp
 from tplib.planner.evaluate import best_uniform, pipeline_latency, uniform
-from tplib.planner.grid import TableCost, cost_grid
-from tplib.planner.joint import exact_joint, paper_joint, plan
+from tplib.planner.joint import exact_joint, paper_joint, plan_slices
+from tplib.sim.costs import SliceCostModel
 
 __all__ = [
     "SliceCostModel",
@@ -25,11 +25,11 @@ __all__ = [
     "TokenSlicing",
     "algorithm1",
     "best_uniform",
-    "cost_grid",
     "exact_joint",
     "paper_joint",
     "pipeline_latency",
-    "plan",
+    "plan_slices",
+    "slice_time_table",
     "token_dp",
     "uniform",
 ]

@@ -31,8 +31,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from tplib.costs import SliceCostModel
-from tplib.planner.grid import by_end, check_batch_slice_size, cost_grid
+from tplib.planner.cost_table import by_end, check_batch_slice_size, slice_time_table
+from tplib.sim.costs import SliceCostModel
 
 __all__ = ["Search", "TokenSlicing", "algorithm1", "prepare", "run_dp", "token_dp", "windows"]
 
@@ -193,7 +193,9 @@ def prepare(
             "one sequence and at most the cost model's max_batch_slice_size"
         )
     bmax = min(batch, limit or batch, profiled or batch)
-    grid = cost_grid(cost, seq_len=seq_len, max_batch_slice_size=bmax, granularity=granularity)
+    grid = slice_time_table(
+        cost, seq_len=seq_len, max_batch_slice_size=bmax, granularity=granularity
+    )
     return by_end(grid), bmax
 
 
@@ -236,7 +238,7 @@ def algorithm1(
     """Algorithm 1 for one fixed t_max: ``S*(L; t_max)`` and its slicing (inf, () if none)."""
     b = batch_slice_size
     check_batch_slice_size(cost, b)
-    grid = cost_grid(cost, seq_len=seq_len, max_batch_slice_size=b, granularity=granularity)
+    grid = slice_time_table(cost, seq_len=seq_len, max_batch_slice_size=b, granularity=granularity)
     S, _, back = run_dp(by_end(grid), np.array([b]), np.array([float(t_max)]))
     return (float(S[0]), trace(back[0], granularity)) if np.isfinite(S[0]) else (np.inf, ())
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tplib.costs import SliceCostModel
 from tplib.plan import Plan, grid_size
-from tplib.planner.grid import check_batch_slice_size, check_costs
+from tplib.planner.cost_table import check_batch_slice_size, check_costs
+from tplib.sim.costs import SliceCostModel
 
 __all__ = ["best_uniform", "pipeline_latency", "uniform"]
 

@@ -9,7 +9,7 @@ Two objectives over the same token DP (:mod:`tplib.planner.dp`):
   b, a knapsack over the batch split minimising ``sum S*_{b_d}``, plus ``(K - 1) * t_max``
   once: the true fill-drain latency, searched by the same branch and bound.
 
-:func:`plan` is the planner's entry point and picks one of them.
+:func:`plan_slices` is the planner's entry point and picks one of them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Literal
 
 import numpy as np
 
-from tplib.costs import SliceCostModel
 from tplib.plan import Plan
 from tplib.planner.dp import Search, bottleneck, prepare, run_dp, token_search, trace, windows
+from tplib.sim.costs import SliceCostModel
 
-__all__ = ["exact_joint", "paper_joint", "plan"]
+__all__ = ["exact_joint", "paper_joint", "plan_slices"]
 
 ROWS = 128  # DP rows per sweep in exact_joint (one row per batch-slice size per probe)
 
@@ -112,7 +112,7 @@ def exact_joint(
     return Plan(tuple(result[0]), result[1], result[2], float(result[3]), eps)
 
 
-def plan(
+def plan_slices(
     cost: SliceCostModel,
     *,
     seq_len: int,

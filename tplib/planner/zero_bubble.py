@@ -30,9 +30,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tplib.costs import SliceCostModel
 from tplib.plan import Plan
 from tplib.planner.joint import exact_joint
+from tplib.sim.costs import SliceCostModel
 
 __all__ = ["ForwardBackwardCost", "WeightGradModel", "plan_zero_bubble", "zero_bubble_latency"]
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import pandas as pd
 
-from tplib.files import write_text
-from tplib.machine import cpu_count
 from tplib.reproduce.jobs import Job, default_jobs, notebooks_dir, repo_root, results_root, run_job
 from tplib.reproduce.manifest import Manifest, code_version
 from tplib.reproduce.summary import section
+from tplib.util.files import write_text
+from tplib.util.machine import cpu_count
 
 __all__ = [
     "Job",

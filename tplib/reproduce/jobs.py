@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tplib.files import atomic_write
 from tplib.tables import TABLE_NAMES, get_table
+from tplib.util.files import atomic_write
 
 __all__ = [
     "Job",

@@ -24,8 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tplib.files import write_json
 from tplib.reproduce.jobs import Job, repo_root
+from tplib.util.files import write_json
 
 __all__ = ["FORMAT", "Manifest", "code_version"]
 

@@ -40,10 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tplib.files import write_json
 from tplib.reproduce.jobs import Job, repo_root, run_job
 from tplib.reproduce.manifest import Manifest
 from tplib.reproduce.split import PARTS_DIR, describe, gather
+from tplib.util.files import write_json
 
 __all__ = ["LAUNCHERS", "SCRIPT", "Outcome", "Slurm", "TaskFailed", "main", "run_array"]
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import pandas as pd
 
-from tplib.files import save_figure, write_csv
 from tplib.reproduce.jobs import Job, results_root
 from tplib.tables import Rows, get_table
+from tplib.util.files import save_figure, write_csv
 
 __all__ = ["CONFIGURATIONS", "PAIRED", "PARTS_DIR", "describe", "gather", "split_job", "split_jobs"]
 

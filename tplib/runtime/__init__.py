@@ -3,7 +3,7 @@
 ================  ====================================================================
 module            what it holds
 ================  ====================================================================
-``config``        :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
+``runconfig``     :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
 ``runfile``       a :class:`RunConfig` as JSON, for torchrun jobs and batch scripts
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``groups``        a rank's process groups, its peers between stages, staged collectives
@@ -12,8 +12,6 @@ module            what it holds
 ``update``        the optimizer step: global-norm clipping, learning rate, fp16 skips
 ``pool``          :class:`LocalPool` and :func:`launch`: ranks as local processes
 ``torchrun``      the entry point for runs across nodes; :func:`load_result` reads its file
-``layouts``       Table 1's settings as runs (:meth:`RunConfig.for_setting`), launching them
-``planned``       the planners' choices as runs: the layout search's, 2BW's, PipeDream's
 ``memory``        measured memory of a stage: the CPU counter and the CUDA allocator's peak
 ``reference``     :func:`train_reference`, the single-device run every pipeline matches
 ``link``          :func:`measure_link`, a ping-pong between two local processes
@@ -30,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tplib.runtime.config import Hooks, RunConfig
+from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.runfile import (
     load_run_config,
     run_config_from_dict,

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 
 from tplib.cluster.memory import MemoryEstimate, stage_memory
-from tplib.runtime.config import RunConfig
 from tplib.runtime.pool import launch, local_backend
 from tplib.runtime.result import RunResult
+from tplib.runtime.runconfig import RunConfig
 from tplib.schedule import LOCAL_WORK
 
 __all__ = ["BenchResult", "bench", "busiest_stage_work", "modelled_memory"]

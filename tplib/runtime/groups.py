@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tplib.model import GPTStage
-from tplib.oppart import OpGroup
-from tplib.runtime.config import RunConfig
+from tplib.nn.model import GPTStage
+from tplib.nn.oppart import OpGroup
+from tplib.runtime.runconfig import RunConfig
 from tplib.schedule import Action, Kind
 
 __all__ = ["Group", "RankGroups", "shared_weight"]

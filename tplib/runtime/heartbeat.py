@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tplib.runtime.config import RunConfig
 from tplib.runtime.rank import Progress, rank_label, spans
+from tplib.runtime.runconfig import RunConfig
 
 __all__ = [
     "PERIOD_S",

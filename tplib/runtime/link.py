@@ -3,7 +3,7 @@
 :func:`measure_link` times round trips of several message sizes between two processes
 of a fresh process group and fits ``latency + n_bytes / bandwidth`` to the one-way times
 (:func:`fit_link`). The simulator prices the measured tables' sends and the gradient
-all-reduce with the result, a :class:`~tplib.costs.Link`.
+all-reduce with the result, a :class:`~tplib.sim.costs.Link`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tplib.costs import Link
 from tplib.runtime.pool import WorkerError, free_port
+from tplib.sim.costs import Link
 
 __all__ = ["fit_link", "measure_link"]
 

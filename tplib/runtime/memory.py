@@ -52,45 +52,10 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
-from tplib.context import StageContext
-from tplib.wgrad import main_grad
+from tplib.nn.bytecount import StorageKey as _Key
+from tplib.nn.bytecount import gradient_bytes, parameter_bytes, storage_bytes, storage_key
 
-__all__ = [
-    "Held",
-    "MemoryMeter",
-    "StageMemory",
-    "context_tensors",
-    "cuda_peak",
-    "gradient_bytes",
-    "optimizer_bytes",
-    "parameter_bytes",
-    "reset_cuda_peak",
-    "static_bytes",
-    "storage_bytes",
-]
-
-_Key = tuple[torch.device, int]
-
-
-def _storage_key(tensor: Tensor) -> tuple[_Key, int] | None:
-    """The storage key and size of ``tensor``, or None where there is nothing to count."""
-    if tensor.layout != torch.strided:
-        return None
-    storage = tensor.untyped_storage()
-    ptr = storage.data_ptr()
-    if ptr == 0:  # empty, or meta: no memory behind it
-        return None
-    return (storage.device, ptr), storage.nbytes()
-
-
-def storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a shared storage counts once)."""
-    sizes: dict[_Key, int] = {}
-    for t in tensors:
-        found = _storage_key(t)
-        if found is not None:
-            sizes[found[0]] = found[1]
-    return sum(sizes.values())
+__all__ = ["Held", "MemoryMeter", "StageMemory", "cuda_peak", "reset_cuda_peak"]
 
 
 class Held:
@@ -191,7 +156,7 @@ class MemoryMeter:
         self.peak = self.current
 
     def _add(self, tensor: Tensor) -> _Key | None:
-        found = _storage_key(tensor)
+        found = storage_key(tensor)
         if found is None or found[0] in self._excluded:
             return None
         key, nbytes = found
@@ -222,46 +187,6 @@ class MemoryMeter:
     @staticmethod
     def _unpack(held: Held) -> Tensor:
         return held.tensor
-
-
-def context_tensors(contexts: Iterable[StageContext]) -> list[Tensor]:
-    """The K/V buffers of ``contexts`` and their gradient buffers, to exclude and to count
-    as static."""
-    return [t for ctx in contexts for t in ctx.buffers()]
-
-
-def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of ``module``'s parameters; a tied weight counts once."""
-    return storage_bytes(module.parameters())
-
-
-def gradient_bytes(module: nn.Module) -> int:
-    """Bytes of the gradient buffers of ``module``'s parameters that exist now: each
-    ``.grad`` (after a backward; none before the first, nor after
-    ``zero_grad(set_to_none=True)``) and fp16's fp32 ``main_grad``
-    (:func:`tplib.precision.attach_main_grads`), kept from the optimizer's start."""
-    params = list(module.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    mains = [m for m in map(main_grad, params) if m is not None]
-    return storage_bytes(grads + mains)
-
-
-def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer``'s state (AdamW's moments and step counters;
-    none before its first step)."""
-    return storage_bytes(
-        v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
-    )
-
-
-def static_bytes(module: nn.Module, optimizer_state_bytes: int, contexts: Iterable[Tensor]) -> int:
-    """Parameters, their gradients, optimizer state and the K/V context buffers."""
-    return (
-        parameter_bytes(module)
-        + gradient_bytes(module)
-        + optimizer_state_bytes
-        + storage_bytes(contexts)
-    )
 
 
 def _require_cuda(device: torch.device | str) -> torch.device:

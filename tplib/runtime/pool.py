@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tplib.machine import threads_per_process
 from tplib.runtime.backend import (
     BackendChoice,
     choose_backend,
@@ -45,10 +44,11 @@ from tplib.runtime.backend import (
     local_gpus,
     needs_gpu,
 )
-from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.rank import Progress, rank_label
 from tplib.runtime.result import RunResult
+from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.worker import RankResult, run_worker
+from tplib.util.machine import threads_per_process
 
 __all__ = ["LocalPool", "WorkerError", "free_port", "launch"]
 

@@ -20,7 +20,7 @@ from tplib.runtime.memory import StageMemory
 from tplib.schedule import Kind
 
 if TYPE_CHECKING:
-    from tplib.runtime.config import RunConfig
+    from tplib.runtime.runconfig import RunConfig
 
 __all__ = ["TRACE_COLUMNS", "Progress", "RankResult", "TraceRow", "rank_label", "spans"]
 

@@ -10,7 +10,7 @@ runtime's code: parameter groups chosen by ``ndim`` right here,
 ``torch.nn.utils.clip_grad_norm_`` on the whole model (whose tied embedding is one
 parameter, counted once: the definition of the global norm the runtime's ranks must
 agree on), and the learning rate driven by ``torch.optim.lr_scheduler`` schedulers
-(:func:`torch_lr_scheduler`), not by :mod:`tplib.lr`.
+(:func:`torch_lr_scheduler`), not by :mod:`tplib.nn.lr`.
 
 Asynchronous schedules compute gradients on older weights, and the reference applies
 their defining recurrences directly (:func:`stage_delays`): iteration t's gradient is
@@ -37,10 +37,10 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-from tplib.data import training_batch
-from tplib.dropout import DropoutKey
-from tplib.model import GPTStage, build_model
-from tplib.runtime.config import RunConfig
+from tplib.nn.data import training_batch
+from tplib.nn.dropout import DropoutKey
+from tplib.nn.model import GPTStage, build_model
+from tplib.runtime.runconfig import RunConfig
 
 __all__ = ["ReferenceResult", "stage_delays", "torch_lr_scheduler", "train_reference"]
 

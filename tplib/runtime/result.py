@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from tplib.oppart import merge_shards, shard_spec
-from tplib.runtime.config import RunConfig
+from tplib.nn.oppart import merge_shards, shard_spec
 from tplib.runtime.rank import TRACE_COLUMNS, RankResult
+from tplib.runtime.runconfig import RunConfig
 
 __all__ = ["RunResult"]
 

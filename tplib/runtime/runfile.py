@@ -1,4 +1,4 @@
-"""A :class:`~tplib.runtime.config.RunConfig` as JSON: what a torchrun job or a batch
+"""A :class:`~tplib.runtime.runconfig.RunConfig` as JSON: what a torchrun job or a batch
 script reads (``python -m tplib run`` writes it). Every field a run is constructed from,
 with plans in the paper's notation; reading it back builds, and so checks, the run.
 """
@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tplib.files import write_json
 from tplib.plan import Plan
-from tplib.runtime.config import RunConfig
+from tplib.runtime.runconfig import RunConfig
+from tplib.util.files import write_json
 
 __all__ = ["load_run_config", "run_config_from_dict", "run_config_to_dict", "save_run_config"]
 

@@ -57,9 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tplib.files import atomic_write
 from tplib.runtime.backend import BACKENDS, BackendChoice, choose_backend, gpu_index
-from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.heartbeat import (
     Heartbeat,
     RankLostError,
@@ -69,8 +67,10 @@ from tplib.runtime.heartbeat import (
 )
 from tplib.runtime.rank import Progress, spans
 from tplib.runtime.result import RunResult
+from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.runfile import load_run_config, run_config_from_dict, run_config_to_dict
 from tplib.runtime.worker import RankResult, run_worker
+from tplib.util.files import atomic_write
 
 __all__ = ["MissingRanksError", "RankLostError", "StoppedError", "load_result", "main"]
 

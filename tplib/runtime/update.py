@@ -2,14 +2,14 @@
 
 The gradients are clipped to a global norm computed as one device computes it over the
 whole model: each gradient counted once, whichever ranks hold copies of it, in one
-all-reduce over the world. Then AdamW steps with the learning rate :mod:`tplib.lr` gives
+all-reduce over the world. Then AdamW steps with the learning rate :mod:`tplib.nn.lr` gives
 the iteration (fp16: on the fp32 master weights, skipped by every rank together when any
 gradient overflowed, and then not clipped), and the gradients, which stay allocated, are
 zeroed.
 
 Where a parameter's gradient accumulates is its *gradient buffer*
 (:meth:`Update.grad_buffers`): ``.grad`` in fp32 and bf16, the fp32 ``main_grad`` in fp16
-(:mod:`tplib.precision`). The data-parallel and tied-embedding all-reduces sum those.
+(:mod:`tplib.nn.precision`). The data-parallel and tied-embedding all-reduces sum those.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tplib.model import GPTStage
-from tplib.oppart import shard_spec
-from tplib.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
-from tplib.runtime.config import RunConfig
+from tplib.nn.model import GPTStage
+from tplib.nn.oppart import shard_spec
+from tplib.nn.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
+from tplib.nn.wgrad import grad_buffer
 from tplib.runtime.groups import RankGroups, shared_weight
-from tplib.wgrad import grad_buffer
+from tplib.runtime.runconfig import RunConfig
 
 __all__ = ["Update", "stage_optimizer"]
 

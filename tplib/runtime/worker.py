@@ -6,7 +6,7 @@ Each process builds its shard of its stage of the model, then walks the actions 
 :attr:`RunConfig.schedule_data <tplib.runtime.RunConfig.schedule_data>` through a dispatch
 table from action kind to method (:data:`Worker.DISPATCH`): receive, forward, send and
 the same for gradients (under a zero-bubble schedule the backward leaves the weight
-gradients to ``W`` actions), through a :class:`~tplib.slicing.SliceExecutor` that keeps each
+gradients to ``W`` actions), through a :class:`~tplib.nn.slicing.SliceExecutor` that keeps each
 sequence's K/V context and routes the K/V gradients between token slices; then the
 gradient all-reduce (across data-parallel replicas, and between the two copies of a tied
 embedding) and the optimizer step. A new kind of action is one method and one table entry.
@@ -40,21 +40,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tplib.data import batch_rows
-from tplib.dropout import DropoutKey
-from tplib.model import build_model
+from tplib.nn.bytecount import context_tensors
+from tplib.nn.data import batch_rows
+from tplib.nn.dropout import DropoutKey
+from tplib.nn.model import build_model
+from tplib.nn.precision import autocast, param_dtype
+from tplib.nn.slicing import SliceExecutor, unit_rows
 from tplib.plan import Unit
-from tplib.precision import autocast, param_dtype
 from tplib.runtime.clock import Mark, PassClock
-from tplib.runtime.config import Hooks, RunConfig
 from tplib.runtime.groups import RankGroups
-from tplib.runtime.memory import MemoryMeter, StageMemory, context_tensors, reset_cuda_peak
+from tplib.runtime.memory import MemoryMeter, StageMemory, reset_cuda_peak
 from tplib.runtime.messages import Messages
 from tplib.runtime.rank import TRACE_COLUMNS, Progress, RankResult
+from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.update import Update
 from tplib.runtime.versions import WeightVersions
 from tplib.schedule import Action, Kind
-from tplib.slicing import SliceExecutor, unit_rows
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]  # results: rank.py
 

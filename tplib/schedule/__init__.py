@@ -9,7 +9,7 @@ module            what it holds
 ``engine``        the event engine: when each action runs, given durations
 ``nccl``          NCCL's rendezvous messages: the runtime's posting plan, its replay
 ``validate``      :func:`validate` and :func:`replay`
-``grid``          :func:`format_grid`, the stage x step drawing errors print
+``grid``          :func:`draw_schedule`, the stage x step drawing errors print
 ================  ===================================================================
 
 Plain Python: the runtime interprets these schedules, the simulator replays them with
@@ -35,6 +35,7 @@ from tplib.schedule.actions import (
     parse_kind,
 )
 from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, pipedream, two_bw
+from tplib.schedule.drawing import draw_schedule
 from tplib.schedule.engine import TimedAction, link_of
 from tplib.schedule.generators import (
     SCHEDULES,
@@ -45,7 +46,6 @@ from tplib.schedule.generators import (
     one_f_one_b,
     terapipe,
 )
-from tplib.schedule.grid import format_grid
 from tplib.schedule.validate import replay, validate
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "add_communication",
     "add_update",
     "covered_slices",
-    "format_grid",
+    "draw_schedule",
     "gpipe",
     "held_versions",
     "link_of",

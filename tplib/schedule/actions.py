@@ -241,9 +241,9 @@ class Schedule:
 
     def __str__(self) -> str:
         # Imported here: the grid module draws schedules, so it imports this one.
-        from tplib.schedule.grid import format_grid
+        from tplib.schedule.drawing import draw_schedule
 
-        return f"{self.name} on {self.n_stages} stages, plan {self.plan}\n{format_grid(self)}"
+        return f"{self.name} on {self.n_stages} stages, plan {self.plan}\n{draw_schedule(self)}"
 
     # ---- CSV -------------------------------------------------------------------------
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from tplib.schedule.actions import COMMUNICATION, SENDS, Action, Kind, Schedule
+from tplib.schedule.drawing import schedule_error, unit_cost
 from tplib.schedule.engine import Link, TimedAction, link_of, run
-from tplib.schedule.grid import schedule_error, unit_cost
 
 __all__ = [
     "POSTINGS",

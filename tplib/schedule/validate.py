@@ -35,8 +35,8 @@ from tplib.schedule.actions import (
     Schedule,
     covered_slices,
 )
+from tplib.schedule.drawing import SERVES, schedule_error, unit_cost
 from tplib.schedule.engine import Link, TimedAction, link_of, run
-from tplib.schedule.grid import SERVES, schedule_error, unit_cost
 
 __all__ = ["replay", "validate"]
 

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # Table name -> its module. Loaded on first use: the per-setting helpers of
-# tplib.tables.settings serve the numpy-only commands, which should not pay for plotting.
+# tplib.search.setting serve the numpy-only commands, which should not pay for plotting.
 _MODULES = {
     "main_results": "main_results",
     "dp_ablation": "dp_ablation",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
-from tplib.files import save_figure, write_csv
+from tplib.util.files import save_figure, write_csv
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from tplib import plots
 from tplib.cluster import CALIBRATION, Calibration
 from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import ablation_rows, setting
 from tplib.plan import Plan
-from tplib.tables import findings
+from tplib.search.setting import EPS, Method, plan_terapipe, rel, simulate_on_cluster
+from tplib.tables import findings, plots
 from tplib.tables.base import Comparison, Rows, Table, TableMode
 from tplib.tables.nodes import ablation_rows_on_nodes, from_nodes, on_nodes
-from tplib.tables.settings import EPS, Method, plan_terapipe, rel, simulate_on_cluster
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool

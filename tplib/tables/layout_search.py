@@ -1,4 +1,4 @@
-"""The layout search against Table 1: what :func:`tplib.autoplan.autoplan` picks for each
+"""The layout search against Table 1: what :func:`tplib.search.layout.autoplan` picks for each
 setting's model, GPU count and batch, beside the layout the paper chose by hand.
 
 ``simulate``: for every setting, the search on the V100-cluster model, and the paper's
@@ -17,11 +17,11 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from tplib.autoplan import Layout, autoplan
 from tplib.cluster import CALIBRATION, Calibration, ClusterCostModel
 from tplib.paper import SETTINGS, TERAPIPE, main_row
+from tplib.search.layout import Layout, autoplan
+from tplib.search.setting import EPS, simulate_setting
 from tplib.tables.base import Comparison, Rows, Table, TableMode
-from tplib.tables.settings import EPS, simulate_setting
 
 __all__ = ["TABLE", "figure", "findings", "simulate"]
 

@@ -15,19 +15,18 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from tplib import plots
 from tplib.cluster import CALIBRATION, Calibration
 from tplib.measure import TABLE_MODEL, Profiling, grid
 from tplib.paper import GPIPE, TERAPIPE, main_row
-from tplib.tables import findings
-from tplib.tables.base import Comparison, Rows, Table, TableMode
-from tplib.tables.nodes import from_nodes, on_nodes, run_settings
-from tplib.tables.settings import (
+from tplib.search.setting import (
     EPS,
     Method,
     beside_paper,
     simulate_setting,
 )
+from tplib.tables import findings, plots
+from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.nodes import from_nodes, on_nodes, run_settings
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool

@@ -1,11 +1,10 @@
 """Measure mode at the paper's scale: each Table-1 setting trained for real on GPU nodes.
 
 Where the CPU measure mode times a scaled-down model on this machine, this runs a
-setting exactly as Table 1 lays it out (:meth:`RunConfig.for_setting
-<tplib.runtime.RunConfig.for_setting>`): GPipe with microbatches of one sequence, and
+setting exactly as Table 1 lays it out (:func:`tplib.runs.setting_run`): GPipe with microbatches of one sequence, and
 TeraPipe with the DP planner's plan (from the cluster model, the paper's printed plan,
 or a profile measured on the GPUs at hand). Each run is started with a
-:class:`~tplib.runtime.layouts.Launch` (``srun`` inside a SLURM allocation by default),
+:class:`~tplib.runs.settings.Launch` (``srun`` inside a SLURM allocation by default),
 and the row holds the measured median latencies, the speedup, the paper's TFLOPS per
 GPU formula, the largest stage's peak memory, and the paper's own values beside them,
 in the columns the simulated table uses, so the same figure and findings apply.
@@ -26,7 +25,8 @@ import pandas as pd
 
 from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row, seqlen_row, setting
 from tplib.plan import Plan
-from tplib.tables.settings import beside_paper, rel, setting_fields, tflops_per_gpu
+from tplib.runs.settings import setting_run
+from tplib.search.setting import beside_paper, rel, setting_fields, tflops_per_gpu
 
 __all__ = ["ablation_rows_on_nodes", "from_nodes", "measured_row", "on_nodes", "run_settings"]
 
@@ -92,16 +92,17 @@ def run_settings(
     """Run every setting (``n``, or ``(n, seq_len)`` for Table 4) with and without
     TeraPipe on GPU nodes, one row each. Every config is made (and checked) before the
     first run starts."""
-    from tplib.runtime import RunConfig  # torch: only when runs are asked for
-    from tplib.runtime.layouts import Launch, run_on_nodes
+    from tplib.runs.settings import Launch, run_on_nodes
 
     how = Launch.of(launch)
     jobs = []
     for item in settings:
         n, seq_len = item if isinstance(item, tuple) else (item, None)
-        options = dict(precision=precision, recompute=recompute, steps=steps, warmup=warmup)
-        gpipe = RunConfig.for_setting(n, plan="gpipe", seq_len=seq_len, **options)
-        tera = RunConfig.for_setting(n, plan=plan, seq_len=seq_len, **options)
+        options: dict[str, Any] = dict(
+            precision=precision, recompute=recompute, steps=steps, warmup=warmup
+        )
+        gpipe = setting_run(n, plan="gpipe", seq_len=seq_len, **options)
+        tera = setting_run(n, plan=plan, seq_len=seq_len, **options)
         jobs.append((n, seq_len, gpipe, tera))
     rows = []
     for n, seq_len, gpipe, tera in jobs:
@@ -131,8 +132,7 @@ def ablation_rows_on_nodes(
     ``#Slices=n``, batch slices of one sequence, and the DP's plan from ``plan``), each
     run as ``terapipe`` at full scale, beside the paper's latency, in the simulated
     table's columns. Every config is made (and checked) before the first run starts."""
-    from tplib.runtime import RunConfig  # torch: only when runs are asked for
-    from tplib.runtime.layouts import Launch, run_on_nodes
+    from tplib.runs.settings import Launch, run_on_nodes
 
     how = Launch.of(launch)
     jobs = []
@@ -142,9 +142,7 @@ def ablation_rows_on_nodes(
             source: str | Plan = plan
             if ref.n_slices is not None:
                 source = Plan.uniform(s.pipeline_batch, s.seq_len, n_token_slices=ref.n_slices)
-            run = RunConfig.for_setting(
-                n, plan=source, precision=precision, steps=steps, warmup=warmup
-            )
+            run = setting_run(n, plan=source, precision=precision, steps=steps, warmup=warmup)
             jobs.append((n, ref, run))
     rows = []
     for n, ref, run in jobs:

@@ -36,9 +36,9 @@ so PipeDream-2BW cannot run them at the paper's batch (the row says so, with no
 numbers); cut into token slices, the same batch has K / M times more units, and
 TeraPipe+2BW can.
 
-Throughput is the steady state (:mod:`tplib.throughput`): the flushed latency of the
+Throughput is the steady state (:mod:`tplib.sim.throughput`): the flushed latency of the
 synchronous schedules, the slope of the update times of the asynchronous ones; TFLOPS
-per GPU use the paper's formula (:func:`~tplib.tables.settings.tflops_per_gpu`). Memory
+per GPU use the paper's formula (:func:`~tplib.search.setting.tflops_per_gpu`). Memory
 is the busiest GPU's (:func:`~tplib.cluster.memory.schedule_memory_per_gpu`): weight
 versions and the units in flight at its peak, against the V100's 16 GB.
 """
@@ -57,22 +57,22 @@ from tqdm.auto import tqdm
 
 from tplib.cluster import CALIBRATION, Calibration, ClusterCostModel
 from tplib.cluster.memory import schedule_memory_per_gpu
-from tplib.files import write_csv
 from tplib.measure.options import TABLE_MODEL, Profiling
 from tplib.paper import GPIPE, TERAPIPE, Setting, main_row, setting
 from tplib.plan import Plan
 from tplib.schedule import NO_VERSION, Kind, Schedule, make_schedule
 from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, min_microbatches
-from tplib.simulate import simulate as simulate_schedule
+from tplib.search.setting import EPS, paper_flops, plan_terapipe, setting_fields
+from tplib.sim.simulate import simulate as simulate_schedule
+from tplib.sim.throughput import steady_of, steady_window
 from tplib.tables.base import Comparison, Rows, Table, TableMode, TableResult
-from tplib.tables.settings import EPS, paper_flops, plan_terapipe, setting_fields
 from tplib.tables.systems_figures import (
     measured_figure,
     measured_findings,
     simulated_findings,
     systems_figure,
 )
-from tplib.throughput import steady_of, steady_window
+from tplib.util.files import write_csv
 
 __all__ = [
     "DEFAULT_SETTINGS",

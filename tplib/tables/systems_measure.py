@@ -4,7 +4,7 @@ simulator, and how fast each lowers the loss on real text.
 :func:`measured_systems` profiles the stages of a small model as ``n_stages`` local
 processes (:mod:`tplib.measure.harness`), runs every system of
 :data:`~tplib.tables.pipeline_systems.SYSTEMS` on the runtime and reads its
-steady-state time per iteration the way :mod:`tplib.throughput` reads the simulator's:
+steady-state time per iteration the way :mod:`tplib.sim.throughput` reads the simulator's:
 the median flushed iteration of a synchronous schedule, the slope of the update times
 in the trace of an asynchronous one (over the same window as the simulation, clear of
 the fill and the drain). Beside it, the simulator's prediction from the same profiles
@@ -15,7 +15,7 @@ DP would often choose not to slice). Every run has ``grad_clip=0``, which the
 asynchronous schedules need, so all systems do the same optimizer work.
 
 :func:`statistical_efficiency` trains the same small model on the Python standard
-library's sources (:mod:`tplib.corpus`, bytes) with a few systems, from the same
+library's sources (:mod:`tplib.nn.corpus`, bytes) with a few systems, from the same
 initialisation on the same batches, and returns the loss of every step: vanilla
 updates (PipeDream-Flush), 2BW's W(t+1) = W(t) - lr grad f(W(t-1)) and PipeDream's
 per-stage delays, as in PipeDream-2BW's Figure 5.
@@ -32,14 +32,14 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from tplib.costs import ActionCosts
 from tplib.measure.options import Profiling, grid
 from tplib.plan import Plan
 from tplib.schedule import Action, Kind
 from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions
+from tplib.sim.costs import ActionCosts
+from tplib.sim.throughput import slope, steady_of, steady_window, update_ends
 from tplib.tables.base import Rows
 from tplib.tables.pipeline_systems import SYSTEMS, delay, infeasible, system_plan
-from tplib.throughput import slope, steady_of, steady_window, update_ends
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from tplib import plots
 from tplib.measure import Profiling, grid
 from tplib.plan import Plan
+from tplib.tables import plots
 from tplib.tables.base import Comparison, Rows, Table, TableMode
 
 if TYPE_CHECKING:

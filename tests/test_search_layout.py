@@ -1,0 +1,110 @@
+"""The layout search: exact against exhaustive evaluation, sound pruning, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tplib.cluster import ClusterCostModel
+from tplib.nn.configs import get_config
+from tplib.partition import DoesNotFit
+from tplib.planner import plan_slices
+from tplib.search.layout import autoplan
+from tplib.sim.simulate import simulate_schedule
+
+CASES = [("GPT3-1B", 32, 16, 1024), ("GPT3-1B", 16, 8, 1024), ("GPT3-13B", 64, 8, 1024)]
+
+
+def exhaustive(model: str, n_gpus: int, batch: int, seq_len: int) -> dict[tuple, float]:
+    """Every layout planned and simulated, no pruning: (D, K, Op, recompute) -> latency
+    of those that fit. Written out from the rules in the search's docstring."""
+    cfg = get_config(model).with_(seq_len=seq_len)
+    out = {}
+    for op in (1, 2, 4, 8):
+        for k in range(1, cfg.n_layer + 1):
+            if cfg.n_layer % k or cfg.n_head % op or n_gpus % (k * op):
+                continue
+            d = n_gpus // (k * op)
+            replica = k * op
+            if batch % d or (replica % 8 and 8 % replica):
+                continue
+            for rc in ("none", "full"):
+                cost = ClusterCostModel(
+                    cfg, n_stages=k, n_op=op, n_data=d, seq_len=seq_len, recompute=rc
+                )
+                p = plan_slices(cost, seq_len=seq_len, batch=batch // d, n_stages=k, eps=1e-4)
+                if cost.memory(p).fits:
+                    latency = simulate_schedule("terapipe", k, p, cost, validate=False).latency
+                    out[(d, k, op, rc)] = latency
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_search_equals_exhaustive_evaluation(case: tuple[str, int, int, int]) -> None:
+    search = autoplan(*case[:3], seq_len=case[3])
+    every = exhaustive(*case)
+    best = min(every, key=every.__getitem__)
+    lay = search.best.layout
+    assert (lay.n_data, lay.n_stages, lay.n_op, lay.recompute) == best
+    assert search.best.latency == pytest.approx(every[best])
+    # Every candidate the search planned and kept has the exhaustive latency; every
+    # fitting layout is a candidate of some status.
+    found = {
+        (c.layout.n_data, c.layout.n_stages, c.layout.n_op, c.layout.recompute): c
+        for c in search.candidates
+    }
+    assert set(every) <= set(found)
+    for key, c in found.items():
+        if c.status == "fits":
+            assert c.latency == pytest.approx(every[key])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_floors_never_exceed_what_a_plan_costs(case: tuple[str, int, int, int]) -> None:
+    """Pruning is sound: the latency and memory floors stay below every planned value."""
+    search = autoplan(*case[:3], seq_len=case[3], memory_gib=1e6)  # plan everything that can
+    planned = [c for c in search.candidates if not math.isnan(c.latency)]
+    assert planned
+    for c in planned:
+        assert c.latency_floor <= c.latency
+    best = search.best.latency
+    for c in search.candidates:
+        assert (c.status == "pruned") == (math.isnan(c.latency) and c.latency_floor >= best)
+
+
+def test_paper_scale_search_ranks_and_explains() -> None:
+    search = autoplan("GPT3-175B", 384, 2)
+    assert search.best.status == "fits" and search.best.reason == "best"
+    assert search.best.memory <= 16 * 2**30
+    statuses = [c.status for c in search.candidates]
+    assert statuses == sorted(statuses, key=lambda s: s != "fits")  # fitting ones first
+    fits = [c.latency for c in search.candidates if c.status == "fits"]
+    assert fits == sorted(fits)
+    for c in search.candidates[1:]:
+        assert c.reason.startswith(("slower", "pruned", "out of memory"))
+    assert "searched in" in search.report() and "best" in search.report()
+
+
+def test_memory_nothing_fits_names_the_closest() -> None:
+    with pytest.raises(DoesNotFit, match=r"nothing fits in 8\.0 GiB.*closest is #Data=1") as e:
+        autoplan("GPT3-175B", 384, 2, memory_gib=8)
+    assert e.value.memory > e.value.capacity == 8 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_gpus": 390}, "n_gpus=390 does not fill whole nodes"),
+        ({"n_gpus": 40, "batch": 4}, "no layout of GPT3-1B on n_gpus=40 with batch=4"),
+        ({"batch": 0}, "batch=0"),
+        ({"cluster": "dgx-2"}, "cluster='dgx-2'"),
+        ({"seq_len": 1001}, "seq_len=1001"),
+        ({"memory_gib": -1.0}, "memory_gib=-1.0"),
+        ({"recompute": ("some",)}, "recompute="),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(kwargs: dict, match: str) -> None:
+    args = {"model": "GPT3-1B", "n_gpus": 32, "batch": 16} | kwargs
+    with pytest.raises(ValueError, match=match):
+        autoplan(**args)

@@ -1,0 +1,315 @@
+"""Per-sequence key/value context: what lets attention run exactly over token slices.
+
+When a sequence is cut into token slices l1..lM, slice t attends causally to itself and
+to the keys and values of every earlier slice. A :class:`LayerContext` holds one layer's
+keys and values for a batch slice's whole sequence in buffers allocated once; each slice
+writes its own keys and values into its range and attends to the prefix ``[0, end)``.
+Nothing is concatenated.
+
+Each slice's autograd graph stops at the context: it reads earlier keys and values from
+the buffer, not from the earlier slices' tensors. Backward therefore runs slice by slice,
+last to first. When slice t's backward reaches the context, the gradient for positions
+before it is added into the context's gradient buffers, and the gradient for its own
+positions is this slice's plus what later slices accumulated there. Because later slices
+run backward first, that sum is complete when slice t needs it, and the result is the same
+gradient the whole-sequence computation gives.
+
+Recomputation runs a slice's forward again inside its backward, after later slices have
+already added their gradients into the buffers; :meth:`StageContext.recomputing` marks
+that pass, so the first slice's forward does not clear what they accumulated.
+
+Two implementations of a slice's attention, chosen by :func:`slice_attention`:
+
+- ``"split"`` (CPU only): attention over the context ``[0, start)`` without a mask and
+  over the slice itself with the causal kernel, merged by their log-sum-exp. Backward
+  gives each part the merged output and log-sum-exp, which makes the parts' gradients
+  exact. Masked attention is several times slower than these two kernels on CPU. Its
+  kernel (``_scaled_dot_product_flash_attention_for_cpu``) exists for CPU tensors only,
+  so a context on another device refuses it.
+- ``"masked"`` (any device): one attention call over ``[0, end)`` with a bottom-right
+  causal mask; CUDA's fused kernels take that mask natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "LayerContext",
+    "ProbsDropout",
+    "StageContext",
+    "attention_impls",
+    "math_attention",
+    "slice_attention",
+]
+
+# Drops attention probabilities (batch, heads, queries, keys) given the queries' and
+# keys' absolute positions; see tplib.nn.dropout.
+ProbsDropout = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+ATTENTION_IMPLS = ("split", "masked")
+
+
+def attention_impls(device: torch.device | str) -> tuple[str, ...]:
+    """The slice-attention implementations that run on ``device``."""
+    return ATTENTION_IMPLS if torch.device(device).type == "cpu" else ("masked",)
+
+
+class LayerContext:
+    """Keys, values and their gradients for one layer and one batch slice.
+
+    Buffers have shape ``(batch, n_head, seq_len, head_dim)``.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_head: int,
+        seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        impl: str | None = None,
+    ) -> None:
+        if impl is not None and impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
+        if impl is not None and impl not in attention_impls(device):
+            raise ValueError(
+                f"attention impl {impl!r} runs on CPU tensors only (its kernel is "
+                f"_scaled_dot_product_flash_attention_for_cpu), not on {device}: choose one of "
+                f"{attention_impls(device)} or None (the device's default)"
+            )
+        self.impl = impl  # None: the fastest for the device
+        self.recomputing = False  # a forward run again inside backward: keep the grads
+        shape = (batch, n_head, seq_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.grad_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.grad_v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def seq_len(self) -> int:
+        return self.k.shape[2]
+
+
+class StageContext:
+    """The :class:`LayerContext` of every layer of a stage, for one batch slice."""
+
+    def __init__(self, layers: dict[int, LayerContext]) -> None:
+        self.layers = layers
+
+    @classmethod
+    def allocate(
+        cls,
+        layer_ids: range,
+        *,
+        batch: int,
+        n_head: int,
+        seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        impl: str | None = None,
+    ) -> StageContext:
+        return cls(
+            {
+                i: LayerContext(
+                    batch, n_head, seq_len, head_dim, dtype=dtype, device=device, impl=impl
+                )
+                for i in layer_ids
+            }
+        )
+
+    def __getitem__(self, layer: int) -> LayerContext:
+        return self.layers[layer]
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Mark the forwards run inside this block as recomputation (see the module)."""
+        for layer in self.layers.values():
+            layer.recomputing = True
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.recomputing = False
+
+    def buffers(self) -> list[Tensor]:
+        """Every buffer it holds: keys, values and their gradients, per layer."""
+        return [t for c in self.layers.values() for t in (c.k, c.v, c.grad_k, c.grad_v)]
+
+
+def _alias(buffer: Tensor, end: int) -> Tensor:
+    """``buffer[:, :, :end]`` as a tensor with its own version counter.
+
+    Later slices write into ``buffer`` beyond ``end`` while this slice's graph still holds
+    the alias for backward. Those writes never touch ``[0, end)``, but an ordinary view
+    shares the buffer's version counter and autograd would reject the saved tensor.
+    """
+    out = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    shape = (buffer.shape[0], buffer.shape[1], end, buffer.shape[3])
+    return out.set_(buffer.untyped_storage(), buffer.storage_offset(), shape, buffer.stride())
+
+
+class _AppendKV(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        k: Tensor,
+        v: Tensor,
+        layer: LayerContext,
+        start: int,
+    ) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        layer.k[:, :, start:end].copy_(k)
+        layer.v[:, :, start:end].copy_(v)
+        ctx.layer, ctx.start, ctx.end = layer, start, end  # type: ignore[attr-defined]
+        return _alias(layer.k, end), _alias(layer.v, end)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_keys: Tensor | None,
+        grad_values: Tensor | None,
+    ) -> tuple[Tensor | None, Tensor | None, None, None]:
+        layer: LayerContext = ctx.layer  # type: ignore[attr-defined]
+        start: int = ctx.start  # type: ignore[attr-defined]
+        end: int = ctx.end  # type: ignore[attr-defined]
+        grads = []
+        for grad, acc in ((grad_keys, layer.grad_k), (grad_values, layer.grad_v)):
+            own = acc[:, :, start:end]
+            if grad is None:
+                grads.append(own.clone())
+                continue
+            if start:
+                acc[:, :, :start].add_(grad[:, :, :start])
+            grads.append(grad[:, :, start:end] + own)
+        return grads[0], grads[1], None, None
+
+
+def math_attention(
+    q: Tensor, keys: Tensor, values: Tensor, start: int, probs_dropout: ProbsDropout
+) -> Tensor:
+    """Causal attention written out, with dropout on the probabilities: queries at
+    positions ``start..`` over ``keys``/``values`` at positions ``0..``. The fused kernels
+    draw their dropout masks from a generator in call order; this path drops by position
+    (see :mod:`tplib.nn.dropout`), so a sliced run drops what the whole sequence drops."""
+    length, end = q.shape[2], keys.shape[2]
+    qpos = torch.arange(start, start + length, device=q.device)
+    kpos = torch.arange(end, device=q.device)
+    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(kpos > qpos.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs_dropout(probs, qpos, kpos) @ values
+
+
+def slice_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer: LayerContext,
+    start: int,
+    probs_dropout: ProbsDropout | None = None,
+) -> Tensor:
+    """Causal attention of a slice's queries over the context ``[0, start)`` and itself.
+
+    ``q``, ``k``, ``v`` are the slice's own ``(batch, n_head, length, head_dim)``; its keys
+    and values are written into ``layer`` at ``start``. With ``probs_dropout`` the
+    attention is :func:`math_attention` over the context's keys and values.
+    """
+    end = start + k.shape[2]
+    if end > layer.seq_len:
+        raise ValueError(
+            f"slice [{start}, {end}) runs past the context buffer of {layer.seq_len} tokens"
+        )
+    if start == 0 and not layer.recomputing:
+        # A new pass over this sequence: nothing has been accumulated for it yet.
+        layer.grad_k.zero_()
+        layer.grad_v.zero_()
+    if probs_dropout is not None:
+        keys, values = _AppendKV.apply(k, v, layer, start)
+        return math_attention(q, keys, values, start, probs_dropout)
+    impl = layer.impl or (
+        "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
+    )
+    if impl == "split":
+        if q.device.type != "cpu":  # a CPU context written into from another device
+            raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")
+        return _SplitAttention.apply(q, k, v, layer, start)
+    if impl == "masked":
+        keys, values = _AppendKV.apply(k, v, layer, start)
+        if start == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=_mask(q.shape[2], end, q.device)
+        )
+    raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
+
+
+@lru_cache(maxsize=64)
+def _mask(length: int, end: int, device: torch.device) -> Tensor:
+    """Bottom-right aligned causal mask: query i sees keys ``[0, end - length + i]``."""
+    if device.type == "cuda":
+        return causal_lower_right(length, end)
+    return torch.ones(length, end, dtype=torch.bool, device=device).tril(end - length)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _SplitAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: LayerContext,
+        start: int,
+    ) -> Tensor:
+        end = start + k.shape[2]
+        layer.k[:, :, start:end].copy_(k)
+        layer.v[:, :, start:end].copy_(v)
+        out, lse = _flash(q, k, v, is_causal=True)[:2]
+        if start:
+            out_ctx, lse_ctx = _flash(q, layer.k[:, :, :start], layer.v[:, :, :start])[:2]
+            merged = torch.logaddexp(lse, lse_ctx)
+            out = out * torch.exp(lse - merged).unsqueeze(-1) + out_ctx * torch.exp(
+                lse_ctx - merged
+            ).unsqueeze(-1)
+            lse = merged
+        ctx.save_for_backward(q, out, lse)
+        ctx.layer, ctx.start, ctx.end = layer, start, end  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        layer: LayerContext = ctx.layer  # type: ignore[attr-defined]
+        start: int = ctx.start  # type: ignore[attr-defined]
+        end: int = ctx.end  # type: ignore[attr-defined]
+        grad_out = grad_out.contiguous()
+        k, v = layer.k[:, :, start:end], layer.v[:, :, start:end]
+        dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, 0.0, True)
+        if start:
+            dq_ctx, dk_ctx, dv_ctx = _flash_backward(
+                grad_out, q, layer.k[:, :, :start], layer.v[:, :, :start], out, lse, 0.0, False
+            )
+            dq = dq + dq_ctx
+            layer.grad_k[:, :, :start].add_(dk_ctx)
+            layer.grad_v[:, :, :start].add_(dv_ctx)
+        dk = dk + layer.grad_k[:, :, start:end]
+        dv = dv + layer.grad_v[:, :, start:end]
+        return dq, dk, dv, None, None

@@ -1,0 +1,341 @@
+"""A GPT-style decoder-only language model whose stages run over token slices.
+
+The model reads top to bottom: :class:`CausalSelfAttention`, :class:`MLP`,
+:class:`Block`, and :class:`GPTStage`. A pipeline stage (the paper's cell c_k) is simply
+a contiguous range of blocks; the first stage also owns the embeddings and the last the
+final LayerNorm, LM head and loss. The whole model is the stage that covers every layer,
+so a stage's parameters have the same names as in the whole model and
+:func:`init_parameters` gives them the same values without building the whole model.
+
+The only idea beyond a plain GPT: attention can take a :class:`~tplib.nn.context.StageContext`
+and a ``start`` position, and then attends to the keys and values of earlier token slices
+of the same sequences (see :mod:`tplib.nn.context`).
+
+Given an :class:`~tplib.nn.oppart.OpGroup` of #Op > 1 ranks, a stage holds only this rank's
+share of each block, embedding and head, split the Megatron way (see
+:mod:`tplib.nn.oppart`); :func:`init_parameters` then gives each shard exactly its part of
+the whole model's values. The blocks' products are :class:`tplib.nn.linear.Linear`; dropout,
+when training with it, is :mod:`tplib.nn.dropout`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tplib.nn.configs import GPTConfig, check_op, padded_vocab
+from tplib.nn.context import LayerContext, StageContext, math_attention, slice_attention
+from tplib.nn.dropout import (
+    SITE_ATTENTION,
+    SITE_EMBEDDING,
+    SITE_MLP,
+    SITE_PROBS,
+    DropoutKey,
+    StageDropout,
+    layer_site,
+)
+from tplib.nn.linear import Linear
+from tplib.nn.oppart import (
+    OpGroup,
+    copy_to_group,
+    shard_spec,
+    take_shard,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
+
+__all__ = ["GPTStage", "build_model", "check_op", "check_stage_range", "init_parameters"]
+
+
+def _op_size(op: OpGroup | None) -> int:
+    return 1 if op is None else op.size
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention over this rank's ``n_head / #Op`` heads."""
+
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
+        super().__init__()
+        self.op = op
+        self.n_head = cfg.n_head // _op_size(op)
+        self.width = self.n_head * cfg.head_dim  # this rank's share of the hidden size
+        self.qkv = Linear(cfg.hidden, 3 * self.width)
+        self.proj = Linear(self.width, cfg.hidden, op)
+        first_head = (0 if op is None else op.rank) * self.n_head
+        # Global indices of this rank's heads (dropout masks are keyed by them).
+        heads = torch.arange(first_head, first_head + self.n_head)
+        self.heads: Tensor
+        self.register_buffer("heads", heads, persistent=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        context: LayerContext | None = None,
+        drop: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        b, length, _ = x.shape
+        q, k, v = (
+            t.view(b, length, self.n_head, -1).transpose(1, 2)
+            for t in self.qkv(copy_to_group(x, self.op)).split(self.width, dim=2)
+        )
+        if context is not None:
+            y = slice_attention(q, k, v, context, start, drop)
+        elif drop is not None:
+            y = math_attention(q, k, v, 0, drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, length, self.width))
+
+
+class MLP(nn.Module):
+    """The 4x MLP, this rank's share of the 4H features."""
+
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
+        super().__init__()
+        self.op = op
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        width = 4 * cfg.hidden // _op_size(op)
+        self.fc = Linear(cfg.hidden, width)
+        self.proj = Linear(width, cfg.hidden, op)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(copy_to_group(x, self.op))
+        return self.proj(F.gelu(h, approximate=self.approximate))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg, op)
+        self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg, op)
+
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        context: LayerContext | None = None,
+        drop: tuple[StageDropout, int] | None = None,
+    ) -> Tensor:
+        if drop is None:
+            x = x + self.attn(self.ln_1(x), start, context)
+            return x + self.mlp(self.ln_2(x))
+        dropout, layer = drop
+        probs = dropout.probs(layer_site(layer, SITE_PROBS), self.attn.heads)
+        a = self.attn(self.ln_1(x), start, context, probs)
+        x = x + dropout.hidden(a, layer_site(layer, SITE_ATTENTION))
+        return x + dropout.hidden(self.mlp(self.ln_2(x)), layer_site(layer, SITE_MLP))
+
+
+def check_stage_range(cfg: GPTConfig, lo: int, hi: int) -> None:
+    """Raise ``ValueError`` unless ``[lo, hi)`` is a non-empty range of the model's layers."""
+    if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= cfg.n_layer):
+        raise ValueError(
+            f"stage layer range [{lo}, {hi}) is outside the model's layers [0, {cfg.n_layer}): "
+            "a stage needs 0 <= lo < hi <= n_layer"
+        )
+
+
+class GPTStage(nn.Module):
+    """Layers ``[lo, hi)`` of a GPT; the first stage embeds tokens, the last computes the loss.
+
+    ``forward(x, start=0, context=None, targets=None)``:
+
+    - ``x`` is token ids ``(batch, length)`` on the first stage and hidden states
+      ``(batch, length, hidden)`` elsewhere; ``start`` is the position of its first token.
+    - With a ``context``, attention also sees the keys and values that earlier slices of
+      the same sequences wrote there; without one, ``x`` must be whole sequences.
+    - The last stage returns the summed next-token cross-entropy when given ``targets``
+      ``(batch, length)``, and the logits otherwise (with #Op > 1: this rank's
+      vocabulary rows of them). Other stages return hidden states.
+
+    With ``op`` (#Op > 1) the stage holds this rank's shard of every partitioned
+    parameter (see :mod:`tplib.nn.oppart`); hidden states in and out are whole, and equal
+    on every rank of the group.
+    """
+
+    def __init__(
+        self, cfg: GPTConfig, lo: int = 0, hi: int | None = None, op: OpGroup | None = None
+    ) -> None:
+        super().__init__()
+        hi = cfg.n_layer if hi is None else hi
+        check_stage_range(cfg, lo, hi)
+        n_op = _op_size(op)
+        check_op(cfg, n_op)
+        self.cfg, self.lo, self.hi = cfg, lo, hi
+        self.op = op if n_op > 1 else None
+        # This rank's vocabulary rows [first_row, first_row + rows) of the padded table.
+        rows = padded_vocab(cfg.vocab_size, n_op) // n_op
+        self.first_row = (0 if op is None else op.rank) * rows
+        self.n_valid_rows = max(0, min(rows, cfg.vocab_size - self.first_row))
+        if self.is_first:
+            self.wte = nn.Embedding(rows, cfg.hidden)
+            self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
+        # Keys are absolute layer indices so that stage and whole-model names agree.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.op) for i in range(lo, hi)})
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
+            self.head = Linear(cfg.hidden, rows, bias=False)
+            if cfg.tie_embeddings and self.is_first:
+                self.head.weight = self.wte.weight
+
+    @property
+    def is_first(self) -> bool:
+        return self.lo == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.hi == self.cfg.n_layer
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.lo, self.hi)
+
+    @property
+    def n_op(self) -> int:
+        return _op_size(self.op)
+
+    def new_context(
+        self,
+        batch: int,
+        seq_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        attention: str | None = None,
+    ) -> StageContext:
+        """Allocate the K/V context of this rank's heads for ``batch`` sequences of
+        ``seq_len`` tokens.
+
+        ``attention`` picks a slice-attention implementation (see :mod:`tplib.nn.context`)."""
+        seq_len = self.cfg.seq_len if seq_len is None else seq_len
+        self._check_length(0, seq_len)
+        param = next(self.parameters())
+        return StageContext.allocate(
+            self.layer_ids,
+            batch=batch,
+            n_head=self.cfg.n_head // self.n_op,
+            seq_len=seq_len,
+            head_dim=self.cfg.head_dim,
+            dtype=dtype or param.dtype,
+            device=param.device,
+            impl=attention,
+        )
+
+    def _check_length(self, start: int, length: int) -> None:
+        if start + length > self.cfg.seq_len:
+            raise ValueError(
+                f"tokens [{start}, {start + length}) exceed the model's context of "
+                f"{self.cfg.seq_len} tokens (GPTConfig.seq_len): sequences must fit it"
+            )
+
+    def forward(
+        self,
+        x: Tensor,
+        start: int = 0,
+        context: StageContext | None = None,
+        targets: Tensor | None = None,
+        dropout: DropoutKey | None = None,
+    ) -> Tensor:
+        length = x.shape[1]
+        self._check_length(start, length)
+        if context is None and start != 0:
+            raise ValueError(f"start={start} without a context: a slice needs its K/V context")
+        # Dropout only in training, which the caller says by giving the iteration's key.
+        drop = None
+        if dropout is not None and self.cfg.dropout > 0:
+            drop = StageDropout(self.cfg.dropout, dropout, x, start)
+        if self.is_first:
+            positions = torch.arange(start, start + length, device=x.device)
+            x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
+            x = x + self.wpe(positions)
+            if drop is not None:
+                x = drop.hidden(x, SITE_EMBEDDING)
+        for i, block in self.blocks.items():
+            layer = None if drop is None else (drop, int(i))
+            x = block(x, start, None if context is None else context[int(i)], layer)
+        if not self.is_last:
+            return x
+        logits = self.head(copy_to_group(self.ln_f(x), self.op))
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            self.first_row,
+            self.n_valid_rows,
+            self.op,
+        )
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _whole_shapes(stage: GPTStage) -> dict[str, torch.Size]:
+    """Shapes of the stage's parameters in the unpartitioned model (nothing allocated)."""
+    with torch.device("meta"):
+        whole = GPTStage(stage.cfg, stage.lo, stage.hi)
+    return {name: p.shape for name, p in whole.named_parameters()}
+
+
+@torch.no_grad()
+def init_parameters(stage: GPTStage, seed: int = 0) -> None:
+    """GPT-2 initialisation, drawn per parameter from a generator seeded by its name.
+
+    Any stage therefore holds exactly the values the same layers have in the whole model,
+    and a partitioned stage holds exactly its shard of them (vocabulary padding is zero).
+    Residual projections get std / sqrt(2 * n_layer), as in GPT-2.
+    """
+    cfg = stage.cfg
+    shapes = _whole_shapes(stage) if stage.op is not None else {}
+    for name, param in stage.named_parameters():
+        if param.device.type == "meta":
+            return
+        shape = shapes.get(name, param.shape)
+        if name == "head.weight" and cfg.tie_embeddings:
+            name = "wte.weight"  # a last stage's copy of the shared embedding
+        leaf = name.rsplit(".", 1)[-1]
+        if (name.startswith("blocks.") and ".ln_" in name) or name.startswith("ln_f."):
+            param.fill_(1.0 if leaf == "weight" else 0.0)
+        elif leaf == "bias":
+            param.zero_()
+        else:
+            std = cfg.init_std
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                std /= math.sqrt(2 * cfg.n_layer)
+            g = torch.Generator().manual_seed(_seed_for(seed, name))
+            values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            if stage.op is not None:
+                values = take_shard(values, shard_spec(name), stage.op.rank, stage.op.size)
+            param.copy_(values)
+
+
+def build_model(
+    cfg: GPTConfig,
+    lo: int = 0,
+    hi: int | None = None,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    op: OpGroup | None = None,
+) -> GPTStage:
+    """Build and initialise layers ``[lo, hi)`` (the whole model by default), this rank's
+    shard of them with an ``op`` group.
+
+    On the ``meta`` device nothing is allocated, which is how the 175B model is built.
+    """
+    with torch.device(device):
+        stage = GPTStage(cfg, lo, hi, op)
+    stage.to(dtype=dtype)
+    init_parameters(stage, seed)
+    return stage

@@ -1,0 +1,250 @@
+"""Operation partitioning (Megatron's tensor parallelism) inside a pipeline stage.
+
+A stage partitioned over #Op ranks splits each transformer block the Megatron way:
+
+- attention by heads: the QKV product is column-parallel (each rank computes the
+  queries, keys and values of its n_head / #Op heads), the output projection is
+  row-parallel (each rank multiplies its heads' part and the partial products are summed);
+- the MLP the same way: FC1 column-parallel, FC2 row-parallel;
+- the token embedding and the LM head by vocabulary rows, with a vocabulary-parallel
+  cross-entropy that never gathers the logits;
+- LayerNorms, the position embedding and the row-parallel biases replicated.
+
+Two conjugate functions carry all the communication: :func:`copy_to_group` (identity
+forward, all-reduce of the gradient backward) enters a column-parallel product, and
+:func:`reduce_from_group` (all-reduce forward, identity backward) leaves a row-parallel
+one. Everything between them is local to the rank, and everything outside them is
+computed identically on every rank, so replicated parameters get identical gradients
+without any further communication.
+
+The vocabulary is padded to a multiple of #Op (:func:`padded_vocab`). Padding rows are
+zero, never looked up, and masked out of the softmax, so the partitioned model computes
+exactly the unpadded one.
+
+An :class:`OpGroup` carries the rank's position and the two all-reduces as callables:
+the model never imports torch.distributed; the runtime hands it the process group's
+collectives. :func:`shard_spec`, :func:`take_shard` and :func:`merge_shards` map between
+a parameter of the whole model and its shards, for initialisation and for comparing a
+partitioned run with the single-process reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tplib.nn.configs import padded_vocab
+
+__all__ = [
+    "OpGroup",
+    "ShardSpec",
+    "copy_to_group",
+    "merge_shards",
+    "padded_vocab",
+    "reduce_from_group",
+    "shard_spec",
+    "take_shard",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+Collective = Callable[[Tensor], None]  # reduces a tensor in place over the #Op group
+
+
+def _no_collective(tensor: Tensor) -> None:
+    raise RuntimeError("this OpGroup has no collectives (built for sizing only)")
+
+
+@dataclass(frozen=True)
+class OpGroup:
+    """One rank's place in a stage's #Op group, and the group's in-place all-reduces."""
+
+    rank: int
+    size: int
+    all_reduce: Collective = _no_collective  # sum
+    all_reduce_max: Collective = _no_collective
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"op rank {self.rank} is outside the #Op group of {self.size}")
+
+
+# ---- the conjugate pair -----------------------------------------------------------------
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: OpGroup) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        ctx.group.all_reduce(grad)  # type: ignore[attr-defined]
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: OpGroup) -> Tensor:
+        out = x.contiguous().clone()
+        group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def copy_to_group(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Enter a column-parallel region: ``x`` as is; backward sums the ranks' gradients."""
+    if group is None or group.size == 1:
+        return x
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Leave a row-parallel region: the sum of the ranks' partial products."""
+    if group is None or group.size == 1:
+        return x
+    return _ReduceFromGroup.apply(x, group)
+
+
+# ---- vocabulary-parallel embedding and cross-entropy ------------------------------------
+
+
+def vocab_parallel_embedding(
+    ids: Tensor, weight: Tensor, first_row: int, group: OpGroup | None
+) -> Tensor:
+    """Embed token ``ids`` with this rank's rows ``[first_row, first_row + rows)`` of the
+    (padded) table; ids owned by other ranks contribute zeros, and the sum over the
+    group is the full lookup."""
+    if group is None or group.size == 1:
+        return torch.nn.functional.embedding(ids, weight)
+    local = ids - first_row
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_group(out, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy over logits split by vocabulary rows across the group.
+
+    Saves the local softmax (tokens x rows / #Op, float32) for backward, as Megatron's
+    does; the logits themselves are not kept.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: Tensor,
+        targets: Tensor,
+        first_row: int,
+        n_valid: int,
+        group: OpGroup,
+    ) -> Tensor:
+        logits = logits.float()
+        if n_valid < logits.shape[1]:  # padding rows are not words
+            logits = logits.clone()
+            logits[:, n_valid:] = float("-inf")
+        peak = logits.max(dim=1).values
+        group.all_reduce_max(peak)
+        exp = (logits - peak.unsqueeze(1)).exp_()
+        total = exp.sum(dim=1)
+        group.all_reduce(total)
+        local = targets - first_row
+        mine = (local >= 0) & (local < logits.shape[1])
+        local = local.masked_fill(~mine, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        picked = torch.where(mine, logits[rows, local], 0.0)
+        group.all_reduce(picked)
+        loss = (total.log() + peak - picked).sum()
+        softmax = exp.div_(total.unsqueeze(1))
+        ctx.save_for_backward(softmax, local, mine)
+        return loss
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+    ) -> tuple[Tensor, None, None, None, None]:
+        softmax, local, mine = ctx.saved_tensors  # type: ignore[attr-defined]
+        out = softmax.clone()
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows[mine], local[mine]] -= 1.0
+        return out.mul_(grad), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, targets: Tensor, first_row: int, n_valid: int, group: OpGroup | None
+) -> Tensor:
+    """Summed next-token cross-entropy of ``logits`` (tokens x this rank's rows) against
+    ``targets`` (tokens); ``n_valid`` of the local rows are real words, the rest padding."""
+    if group is None or group.size == 1:
+        return torch.nn.functional.cross_entropy(
+            logits[:, :n_valid].float(), targets, reduction="sum"
+        )
+    return _VocabParallelCrossEntropy.apply(logits, targets, first_row, n_valid, group)
+
+
+# ---- shards of the whole model's parameters ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter splits over #Op: along ``dim``, which is ``blocks`` equal blocks
+    (the QKV product stacks queries, keys and values), each split into #Op contiguous
+    parts; rank r holds part r of every block. ``vocab``: rows are the vocabulary,
+    padded to a multiple of #Op."""
+
+    dim: int
+    blocks: int = 1
+    vocab: bool = False
+
+
+_SPECS: dict[str, ShardSpec] = {
+    "attn.qkv.weight": ShardSpec(0, blocks=3),
+    "attn.qkv.bias": ShardSpec(0, blocks=3),
+    "attn.proj.weight": ShardSpec(1),
+    "mlp.fc.weight": ShardSpec(0),
+    "mlp.fc.bias": ShardSpec(0),
+    "mlp.proj.weight": ShardSpec(1),
+    "wte.weight": ShardSpec(0, vocab=True),
+    "head.weight": ShardSpec(0, vocab=True),
+}
+
+
+def shard_spec(name: str) -> ShardSpec | None:
+    """The split of parameter ``name`` (a stage's parameter name), None if replicated."""
+    for suffix, spec in _SPECS.items():
+        if name == suffix or name.endswith("." + suffix):
+            return spec
+    return None
+
+
+def take_shard(full: Tensor, spec: ShardSpec | None, rank: int, n_op: int) -> Tensor:
+    """Rank ``rank``'s part of the whole parameter ``full``."""
+    if spec is None or n_op == 1:
+        return full
+    if spec.vocab:
+        pad = padded_vocab(full.shape[spec.dim], n_op) - full.shape[spec.dim]
+        if pad:
+            shape = list(full.shape)
+            shape[spec.dim] = pad
+            full = torch.cat([full, full.new_zeros(shape)], dim=spec.dim)
+    parts = [block.chunk(n_op, dim=spec.dim)[rank] for block in full.chunk(spec.blocks, spec.dim)]
+    return torch.cat(parts, dim=spec.dim)
+
+
+def merge_shards(shards: Sequence[Tensor], spec: ShardSpec | None, full_size: int) -> Tensor:
+    """The whole parameter from every rank's shard (rank order); ``full_size`` is the
+    unpadded length of the split dimension."""
+    if spec is None or len(shards) == 1:
+        return shards[0]
+    per_rank = [s.chunk(spec.blocks, dim=spec.dim) for s in shards]
+    blocks = [torch.cat([parts[i] for parts in per_rank], dim=spec.dim) for i in range(spec.blocks)]
+    return torch.cat(blocks, dim=spec.dim).narrow(spec.dim, 0, full_size)

@@ -1,0 +1,102 @@
+"""The planners' choices as runs: what a layout search or a partitioning planner chose,
+as a :class:`~tplib.runtime.RunConfig` the runtime executes.
+
+* :func:`search_run`: the layout search's best (or any) candidate
+  (:func:`tplib.search.layout.autoplan`): its #Data x #Pipe x #Op, recomputation and DP plan,
+  the ``terapipe`` schedule, in fp16 on eight ranks per node as Table 1's runs are;
+* :func:`twobw_run`: PipeDream-2BW's configuration (:func:`tplib.partition.twobw_plan`):
+  w replicas (#Data) of a d-stage ``2bw`` pipeline on the planner's stage ranges, g
+  microbatches of b sequences per update, recomputation as chosen;
+* :func:`pipedream_run`: PipeDream's partition (:func:`tplib.partition.pipedream_partition`)
+  as a ``pipedream`` run on its stage ranges. The runtime replicates whole pipelines
+  (#Data), not single stages, so a plan that replicates a stage is refused.
+
+GPipe's balance is already a run's ``stage_ranges``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tplib.nn.configs import get_config
+from tplib.partition.pipedream import PipeDreamPlan
+from tplib.partition.twobw import TwoBWConfig
+from tplib.plan import Plan
+from tplib.runtime.runconfig import RunConfig
+from tplib.search.layout import Candidate, Search
+
+__all__ = ["pipedream_run", "search_run", "twobw_run"]
+
+GPUS_PER_NODE = 8  # p3.16xlarge, the cluster the search prices
+
+
+def search_run(search: Search, candidate: Candidate | None = None, **fields: Any) -> RunConfig:
+    """The run of ``candidate`` (default: the best) of a layout search; ``fields`` set
+    the rest of the :class:`RunConfig` (steps, device, ...)."""
+    c = candidate or search.best
+    if not c.plan:
+        raise ValueError(
+            f"candidate {c.layout} was not planned ({c.status}): only a planned candidate "
+            "has a plan to run"
+        )
+    lay = c.layout
+    longer = search.seq_len > get_config(search.model).seq_len
+    defaults: dict[str, Any] = {"precision": "fp16", "device": "cuda"}
+    return RunConfig(
+        model=search.model,
+        model_overrides=(("seq_len", search.seq_len),) if longer else (),
+        schedule="terapipe",
+        n_stages=lay.n_stages,
+        n_data=lay.n_data,
+        n_op=lay.n_op,
+        batch=search.batch,
+        seq_len=search.seq_len,
+        slicing=Plan.from_paper(c.plan),
+        recompute=lay.recompute,
+        ranks_per_node=GPUS_PER_NODE if search.n_gpus > GPUS_PER_NODE else 0,
+        **(defaults | fields),
+    )
+
+
+def twobw_run(config: TwoBWConfig, model: str, seq_len: int, **fields: Any) -> RunConfig:
+    """The run of a 2BW configuration for ``model`` at ``seq_len`` tokens."""
+    b, g = config.microbatch, config.accumulation
+    plan = Plan((b,) * g, ((seq_len,),) * g)
+    return RunConfig(
+        model=model,
+        schedule="2bw",
+        n_stages=config.depth,
+        n_data=config.width,
+        batch=config.width * b * g,
+        seq_len=seq_len,
+        slicing=plan,
+        stage_ranges=config.stage_ranges,
+        recompute="full" if config.recompute else "none",
+        grad_clip=0.0,  # asynchronous schedules do not clip (RunConfig says why)
+        **fields,
+    )
+
+
+def pipedream_run(
+    plan: PipeDreamPlan, model: str, seq_len: int, microbatch: int, **fields: Any
+) -> RunConfig:
+    """The run of a PipeDream partition with minibatches of ``microbatch`` sequences."""
+    replicated = [s for s in plan.stages if s.replicas > 1]
+    if replicated:
+        which = ", ".join(f"[{s.lo}, {s.hi}) on {s.replicas}" for s in replicated)
+        raise ValueError(
+            f"the plan replicates stages {which}: tplib's runtime replicates whole "
+            "pipelines (#Data), not single stages; plan with memory or topology that keeps "
+            "one GPU per stage, or run its stage ranges without the replication"
+        )
+    return RunConfig(
+        model=model,
+        schedule="pipedream",
+        n_stages=len(plan.stages),
+        batch=microbatch,
+        seq_len=seq_len,
+        slicing=Plan((microbatch,), ((seq_len,),)),
+        stage_ranges=plan.stage_ranges,
+        grad_clip=0.0,
+        **fields,
+    )
