@@ -4,6 +4,10 @@ Shards are checked against slicing written out by hand, and a whole #Op group is
 simulated in one process: one thread per op rank, each with an :class:`OpGroup` whose
 all-reduces meet at a barrier and reduce a shared list. The threads' loss and merged
 gradients must equal the unpartitioned model's (float32, 1e-5).
+
+The comparisons run on perturbed weights (:func:`_perturb`), not the initial ones: at
+initialisation every bias is zero and every LayerNorm the identity, so a replicated bias
+added once per op rank instead of once in total would compute the same numbers.
 """
 
 from __future__ import annotations
@@ -258,6 +262,27 @@ def _grads(stage: GPTStage) -> dict[str, Tensor]:
     return out
 
 
+def _perturb(whole: GPTStage, seed: int) -> None:
+    """Move every parameter of the whole model off its initial value (std 0.05 noise):
+    biases and LayerNorm shifts start at zero, where adding one too often goes unseen."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.add_(torch.randn(p.shape, generator=g), alpha=0.05)
+
+
+def _load_shards(stage: GPTStage, whole: GPTStage, op: OpGroup) -> None:
+    """Give ``stage`` (a partitioned stage of ``whole``'s model) this rank's shards of
+    ``whole``'s current parameters."""
+    source = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            # A last stage's head is the embedding of a tied model (one parameter there).
+            full = source.get(name, source["wte.weight"] if name == "head.weight" else None)
+            assert full is not None, name
+            p.copy_(take_shard(full.detach(), shard_spec(name), op.rank, op.size))
+
+
 def _merge(per_rank: list[dict[str, Tensor]], cfg: GPTConfig) -> dict[str, Tensor]:
     """The whole model's tensors from every rank's shards; replicated tensors must be
     identical on every rank."""
@@ -291,6 +316,8 @@ def test_partitioned_model_equals_the_whole(n_op: int, cfg_name: str) -> None:
     cfg = CONFIGS[cfg_name]
     tokens, targets = synthetic_batch(cfg, 3, 20, seed=11)
     whole = build_model(cfg, seed=5)
+    initial = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    _perturb(whole, seed=6)
     ref_logits = whole(tokens).detach()
     ref_loss = whole(tokens, targets=targets)
     ref_loss.backward()
@@ -300,6 +327,7 @@ def test_partitioned_model_equals_the_whole(n_op: int, cfg_name: str) -> None:
         with one_thread():
             stage = build_model(cfg, seed=5, op=op)
             params = {n: p.detach().clone() for n, p in stage.named_parameters()}
+            _load_shards(stage, whole, op)
             logits = stage(tokens).detach()
             loss = stage(tokens, targets=targets)
             loss.backward()
@@ -308,13 +336,14 @@ def test_partitioned_model_equals_the_whole(n_op: int, cfg_name: str) -> None:
     results = run_threads(n_op, body)
     # Every rank holds its shard of the whole model's initial values (padding zero).
     params = _merge([r[2] for r in results], cfg)
-    assert params.keys() == dict(whole.named_parameters()).keys()
-    for name, p in whole.named_parameters():
-        assert torch.equal(params[name], p.detach()), name
+    assert params.keys() == initial.keys()
+    for name, p in initial.items():
+        assert torch.equal(params[name], p), name
     # Every rank computes the whole loss.
     for rank, (loss, *_) in enumerate(results):
         assert_scaled_close(loss, ref_loss.detach(), what=f"loss on op rank {rank}")
-    # Each rank's logits are its vocabulary rows; padding logits are zero (zero head rows).
+    # Each rank's logits are its vocabulary rows; padding logits are zero (padding head
+    # rows are zero, perturbed or not: take_shard pads).
     rows = padded_vocab(cfg.vocab_size, n_op) // n_op
     assert all(r[1].shape == (3, 20, rows) for r in results)
     logits = merge_shards([r[1] for r in results], ShardSpec(2, vocab=True), cfg.vocab_size)
@@ -338,6 +367,7 @@ def test_partitioned_stages_with_kv_context_equal_the_whole_sequence(n_op: int) 
     length = cuts[-1]
     tokens, targets = synthetic_batch(cfg, batch, length, seed=21)
     whole = build_model(cfg, seed=8)
+    _perturb(whole, seed=22)
     ref_logits = whole(tokens).detach()
     ref_loss = whole(tokens, targets=targets).detach()
 
@@ -345,6 +375,8 @@ def test_partitioned_stages_with_kv_context_equal_the_whole_sequence(n_op: int) 
         with one_thread(), torch.no_grad():
             first = build_model(cfg, 0, 2, seed=8, op=op)
             last = build_model(cfg, 2, 4, seed=8, op=op)
+            _load_shards(first, whole, op)
+            _load_shards(last, whole, op)
             ctx_first, ctx_last = first.new_context(batch, length), last.new_context(batch, length)
             assert ctx_first[0].k.shape[1] == cfg.n_head // n_op  # this rank's heads only
             logits, losses = [], []
@@ -376,6 +408,7 @@ def test_partitioned_token_slices_backward_equals_the_whole(n_op: int, recompute
     plan = Plan((1, 2), ((3, 9, 4), (7, 9)))
     tokens, targets = synthetic_batch(cfg, plan.batch, plan.seq_len, seed=31)
     whole = build_model(cfg, seed=9)
+    _perturb(whole, seed=32)
     ref_loss = whole(tokens, targets=targets) / targets.numel()
     ref_loss.backward()
     ref_grads = _grads(whole)
@@ -383,6 +416,8 @@ def test_partitioned_token_slices_backward_equals_the_whole(n_op: int, recompute
     def body(op: OpGroup) -> tuple[Tensor, dict[str, Tensor]]:
         with one_thread():
             stages = [build_model(cfg, lo, hi, seed=9, op=op) for lo, hi in ((0, 1), (1, 4))]
+            for stage in stages:
+                _load_shards(stage, whole, op)
             loss = run_pipeline_local(stages, tokens, plan, targets=targets, recompute=recompute)
             grads: dict[str, Tensor] = {}
             for stage in stages:
