@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TypeVar
 
-__all__ = ["MAX_SCHEME_ITEMS", "Plan", "Unit", "grid_size"]
+__all__ = ["Plan", "Unit", "grid_size"]
 
 T = TypeVar("T")
 
 # The most items (numbers, lists and tuples) a scheme in the paper's notation may expand
 # to: far beyond any real plan (the paper's largest has a few hundred), small enough that
 # ``[(1, [1] * 10**12)]`` is refused at once instead of filling memory.
-MAX_SCHEME_ITEMS = 1 << 20
+_MAX_SCHEME_ITEMS = 1 << 20
 
 
 def grid_size(seq_len: int, granularity: int) -> int:
@@ -281,7 +281,7 @@ def _eval_literal(node: ast.AST) -> tuple[object, int]:
     """Evaluate the tiny expression language of the paper's slicing schemes: int
     literals (negative ones too, so that Plan can name them), lists, tuples, list ``+``
     list and list ``*`` a positive int. Nothing else. Returns the value and its size:
-    how many numbers, lists and tuples it holds, at most :data:`MAX_SCHEME_ITEMS`."""
+    how many numbers, lists and tuples it holds, at most :data:`_MAX_SCHEME_ITEMS`."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value, 1
     if (
@@ -315,9 +315,9 @@ def _eval_literal(node: ast.AST) -> tuple[object, int]:
 
 
 def _at_most(size: int, node: ast.AST) -> int:
-    if size > MAX_SCHEME_ITEMS:
+    if size > _MAX_SCHEME_ITEMS:
         raise ValueError(
             f"{_short(ast.unparse(node))} expands to {size} numbers and lists, more than "
-            f"the {MAX_SCHEME_ITEMS} a slicing scheme may hold"
+            f"the {_MAX_SCHEME_ITEMS} a slicing scheme may hold"
         )
     return size

@@ -46,16 +46,12 @@ from tplib.schedule import Action, Kind, Schedule
 from tplib.schedule.asynchronous import held_versions
 
 __all__ = [
-    "ACT_ELEMS",
-    "ACT_SCORE_BYTES",
-    "RUNTIME_STATE_BYTES",
     "STATE_BYTES",
     "Inventory",
     "MemoryEstimate",
     "activation_rates",
     "memory_per_gpu",
     "peak_in_flight",
-    "runtime_inventory",
     "schedule_memory_per_gpu",
     "stage_memory",
     "stage_memory_on_cluster",
@@ -67,14 +63,14 @@ STATE_BYTES = FP16 + FP16 + FP32 + FP32 + FP32 + FP32
 # Activations kept for the backward per token and hidden element, fp16: (replicated, per
 # #Op share). Replicated: LN1 in/out, attention output, LN2 in/out. Shared: Q, K, V, the
 # attention context, FC1 out (4H), activation out (4H).
-ACT_ELEMS = (5.0, 12.0)
-ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32)
+_ACT_ELEMS = (5.0, 12.0)
+_ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32)
 
 
 # tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
 # Adam's m and v. fp16: an fp16 weight, its gradient accumulated in an fp32 main grad that
 # is also the master gradient (tplib.nn.optimizer), the fp32 master weight, Adam's m and v.
-RUNTIME_STATE_BYTES = {
+_RUNTIME_STATE_BYTES = {
     "fp32": FP32 + FP32 + FP32 + FP32,
     "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
     "fp16": FP16 + FP32 + FP32 + FP32 + FP32,
@@ -114,8 +110,8 @@ class MemoryEstimate:
 def activation_rates(cfg: GPTConfig, n_op: int) -> tuple[float, float]:
     """Bytes one layer keeps per token (the hidden-size activations, the partitioned ones
     split over #Op) and per attention score (token x context position), on one GPU."""
-    rep, part = ACT_ELEMS
-    return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * ACT_SCORE_BYTES
+    rep, part = _ACT_ELEMS
+    return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * _ACT_SCORE_BYTES
 
 
 def memory_per_gpu(
@@ -244,7 +240,7 @@ class Inventory:
     weight_copy: float = 0.0
 
 
-def runtime_inventory(precision: str = "fp32") -> Inventory:
+def _runtime_inventory(precision: str = "fp32") -> Inventory:
     """tplib's block (:mod:`tplib.nn.model`) as autograd sees it. Replicated: LN1's input and
     output, LN2's input and output. Partitioned: the QKV product (q, k and v are views of
     it), the attention output (the output projection reads a view of it), FC1's output
@@ -308,7 +304,7 @@ def stage_memory(
 ) -> MemoryEstimate:
     """Peak memory of one rank of stage ``[lo, hi)`` in tplib's runtime, running ``plan``
     in the order of its ``actions`` (see the module docstring)."""
-    inv = runtime_inventory(precision)
+    inv = _runtime_inventory(precision)
     h, e = cfg.hidden, inv.hidden
     first, last = lo == 0, hi == cfg.n_layer
     vocab_rows = -(-cfg.vocab_size // n_op)
@@ -366,7 +362,7 @@ def stage_memory(
     params = stage_params(cfg, lo, hi, n_op=n_op)
     tensors = (hi - lo) * PARAM_TENSORS_PER_LAYER + 2 * first + 3 * last
     tensors -= int(first and last and cfg.tie_embeddings)  # one shared embedding
-    states = params * RUNTIME_STATE_BYTES[precision] + tensors * ADAM_STEP_BYTES
+    states = params * _RUNTIME_STATE_BYTES[precision] + tensors * ADAM_STEP_BYTES
     context_element = FP32 if precision == "fp32" else FP16
     contexts = 4 * (hi - lo) * plan.batch * plan.seq_len * h / n_op * context_element
     return MemoryEstimate(states, acts, 0.0, capacity, contexts)

@@ -19,11 +19,11 @@ from tplib.explorer.exploration import Exploration
 from tplib.plan import Plan
 from tplib.tables.plots import plot_timeline
 
-__all__ = ["MAX_COMM_ROWS", "figure"]
+__all__ = ["figure"]
 
 # Timelines with more rows than this are drawn without the send/receive bars: they would
 # be too thin to see and double the drawing time.
-MAX_COMM_ROWS = 12_000
+_MAX_COMM_ROWS = 12_000
 
 
 def _distinct_slicings(p: Plan, limit: int = 4) -> pd.DataFrame:
@@ -100,9 +100,9 @@ def figure(ex: Exploration) -> Figure:
     df = ex.sim.timeline
     unit = 1e-3 if ex.sim.latency < 1 else 1.0
     title = f"(c) simulated timeline of the DP plan: {ex.sim.latency:.3g} s"
-    if len(df) > MAX_COMM_ROWS:
+    if len(df) > _MAX_COMM_ROWS:
         title += " (sends/receives not drawn)"
-    plot_timeline(df, ax=ax_t, title=title, time_unit=unit, show_comm=len(df) <= MAX_COMM_ROWS)
+    plot_timeline(df, ax=ax_t, title=title, time_unit=unit, show_comm=len(df) <= _MAX_COMM_ROWS)
     if sc.n_stages > 24:
         ticks = _sparse_ticks(sc.n_stages)
         ax_t.set_yticks(ticks, [f"stage {k}" for k in ticks])

@@ -42,9 +42,9 @@ from tplib.explorer.scenario import (
 from tplib.nn.configs import MODELS
 from tplib.paper import SEQLEN_BATCH, SETTINGS, setting
 
-__all__ = ["CACHE_SIZE", "CUSTOM", "Explorer", "build_explorer"]
+__all__ = ["CUSTOM", "Explorer", "build_explorer"]
 
-CACHE_SIZE = 16  # explorations the widget keeps, oldest dropped first
+_CACHE_SIZE = 16  # explorations the widget keeps, oldest dropped first
 PLAN_WIDTH = 48  # characters of a plan in the table; the text above holds it whole
 _SOURCES = {"V100 cluster model": CLUSTER, "profile file": "profile"}
 # The Scenario fields with a control of the same name.
@@ -128,7 +128,7 @@ class Explorer(ipw.VBox):
         self._quiet = False  # see _quietly
         # Keyed by the profile file's mtime too: a re-measured profile is a new scenario.
         # Revisiting a scenario is instant; the oldest go first: timelines are megabytes.
-        self._explore = functools.lru_cache(maxsize=CACHE_SIZE)(_explore_file_version)
+        self._explore = functools.lru_cache(maxsize=_CACHE_SIZE)(_explore_file_version)
         c = self.controls
         super().__init__(
             [

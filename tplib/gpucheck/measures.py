@@ -22,14 +22,13 @@ if TYPE_CHECKING:
 __all__ = [
     "dropout_step",
     "efficiency_step",
-    "figure3",
     "figure3_step",
     "memory_step",
     "slicing_step",
 ]
 
 
-def figure3(df: pd.DataFrame, title: str) -> Figure:
+def _figure3(df: pd.DataFrame, title: str) -> Figure:
     """Two panels, as the paper's Figure 3: forward time and throughput against tokens."""
     import seaborn as sns
     from matplotlib.figure import Figure
@@ -70,7 +69,7 @@ def figure3_step(out: Path, sizes: Sizes) -> StepResult:
     title = (
         f"One {cfg.name} layer, forward, {sizes.fig3_dtype}, on {_device_name(sizes)} (Figure 3)"
     )
-    fig = figure3(df, title)
+    fig = _figure3(df, title)
     write_csv(df, out / "fig3_layer_forward.csv")
     save_figure(fig, out / "fig3_layer_forward.png")
     at = df.set_index("tokens").median_ms

@@ -23,19 +23,16 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "MIN_PYTHON",
-    "MIN_TORCH",
-    "NEEDS",
     "Node",
     "device_slug",
     "inspect_node",
     "version_tuple",
 ]
 
-MIN_PYTHON = (3, 11)
-MIN_TORCH = (2, 4)
+_MIN_PYTHON = (3, 11)
+_MIN_TORCH = (2, 4)
 # What the check imports beside torch: no notebook, widget or test-property packages.
-NEEDS = ("numpy", "pandas", "matplotlib", "seaborn", "pytest")
+_NEEDS = ("numpy", "pandas", "matplotlib", "seaborn", "pytest")
 # The device files the NVIDIA driver makes, one per GPU (a test points this elsewhere).
 DEVICE_FILES = os.environ.get("GPU_CHECK_DEVICE_FILES", "/dev/nvidia[0-9]*")
 
@@ -63,7 +60,7 @@ class Node:
     smi_gpus: tuple[str, ...]  # what nvidia-smi lists
     device_files: tuple[str, ...]
     driver: str | None
-    missing: tuple[str, ...]  # of NEEDS
+    missing: tuple[str, ...]  # of _NEEDS
 
     @property
     def gpu_visible(self) -> bool:
@@ -82,14 +79,14 @@ class Node:
     def refusal(self, dry: bool) -> str | None:
         """Why the check cannot run here (None: it can). A rehearsal needs only the
         software; a real check also needs torch to see the GPU the node shows."""
-        if version_tuple(self.python) < MIN_PYTHON:
-            return f"python {self.python} is older than {'.'.join(map(str, MIN_PYTHON))}"
-        if version_tuple(self.torch) < MIN_TORCH:
-            return f"torch {self.torch} is older than {'.'.join(map(str, MIN_TORCH))}"
+        if version_tuple(self.python) < _MIN_PYTHON:
+            return f"python {self.python} is older than {'.'.join(map(str, _MIN_PYTHON))}"
+        if version_tuple(self.torch) < _MIN_TORCH:
+            return f"torch {self.torch} is older than {'.'.join(map(str, _MIN_TORCH))}"
         if self.missing:
             return (
                 f"python {sys.executable} lacks {', '.join(self.missing)}: the check needs "
-                f"torch and {', '.join(NEEDS)}"
+                f"torch and {', '.join(_NEEDS)}"
             )
         if dry or self.cuda_available or not self.gpu_visible:
             return None
@@ -157,5 +154,5 @@ def inspect_node() -> Node:
         smi_gpus=smi_gpus,
         device_files=tuple(sorted(glob.glob(DEVICE_FILES))),
         driver=driver,
-        missing=tuple(m for m in NEEDS if importlib.util.find_spec(m) is None),
+        missing=tuple(m for m in _NEEDS if importlib.util.find_spec(m) is None),
     )

@@ -35,7 +35,6 @@ __all__ = [
     "device_step",
     "exactness_command",
     "exactness_step",
-    "multi_rank_command",
     "multi_rank_step",
     "pytest_counts",
 ]
@@ -185,7 +184,7 @@ def exactness_step(out: Path, sizes: Sizes, command: Sequence[str] | None = None
     return StepResult("exactness", "ok" if ok else "failed", words, values=counts)
 
 
-def multi_rank_command(sizes: Sizes) -> tuple[str, ...]:
+def _multi_rank_command(sizes: Sizes) -> tuple[str, ...]:
     return (
         sys.executable,
         *shlex.split(f"-m tplib bench --model {sizes.multi_rank_model} --schedule terapipe"),
@@ -198,7 +197,7 @@ def multi_rank_step(out: Path, sizes: Sizes, command: Sequence[str] | None = Non
     """A 2-stage TeraPipe ``tplib bench`` on the device, ranks sharing it;
     ``multi_rank.json`` records the command, whether it passed, and the bench's JSON
     (``bench``) or, when it failed, its stderr tail."""
-    command = tuple(command or multi_rank_command(sizes))
+    command = tuple(command or _multi_rank_command(sizes))
     t0 = time.perf_counter()
     code, stdout, stderr = _run(command, timeout=1200, env=checkout_env())
     record: dict[str, Any] = {"command": shlex.join(command), "returncode": code}

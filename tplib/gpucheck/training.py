@@ -3,7 +3,7 @@ runtime's measured memory compares with tplib's memory model.
 
 - :func:`measure_efficiency`: tokens/s and model FLOPs utilisation (MFU) of forward +
   backward + optimizer over a whole model that fits one GPU (GPT3-1B), in bf16 with
-  fused attention, against the GPU's dense bf16 peak (:data:`PEAK_BF16`). torchtitan and
+  fused attention, against the GPU's dense bf16 peak (:data:`_PEAK_BF16`). torchtitan and
   Megatron report 40-55% on such GPUs; tplib's model is plain eager PyTorch.
 - :func:`measure_memory`: the runtime's schedules on local processes sharing the device,
   each rank's peak (the CUDA allocator's on a GPU) beside what
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "PEAK_BF16",
     "MemoryCase",
     "measure_efficiency",
     "measure_memory",
@@ -42,7 +41,7 @@ __all__ = [
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets; the
 # first name the device's contains wins, so the more specific come first.
-PEAK_BF16: tuple[tuple[str, float], ...] = (
+_PEAK_BF16: tuple[tuple[str, float], ...] = (
     ("GH200", 989.4),
     ("H200 NVL", 835.0),
     ("H200", 989.4),
@@ -58,7 +57,7 @@ PEAK_BF16: tuple[tuple[str, float], ...] = (
 
 def peak_bf16(device_name: str) -> float | None:
     """The dense bf16 peak (TFLOP/s) of a GPU by name; None for one not in the table."""
-    for pattern, tflops in PEAK_BF16:
+    for pattern, tflops in _PEAK_BF16:
         if pattern.lower() in device_name.lower():
             return tflops
     return None

@@ -24,8 +24,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "DEFAULT_MAX_BYTES",
-    "EXCLUDED_DIRS",
     "VOCAB_SIZE",
     "corpus_batch",
     "corpus_digest",
@@ -34,10 +32,10 @@ __all__ = [
 ]
 
 VOCAB_SIZE = 256  # byte-level tokens
-DEFAULT_MAX_BYTES = 4 * 2**20  # a few MB: minutes of CPU training never see it twice
+_DEFAULT_MAX_BYTES = 4 * 2**20  # a few MB: minutes of CPU training never see it twice
 # Directories whose sources are not the library itself: installed packages, test suites
 # (which carry deliberately malformed and odd-encoded files), the IDE, byte-code caches.
-EXCLUDED_DIRS = frozenset(
+_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 )
 
@@ -53,7 +51,7 @@ def corpus_files(root: Path | None = None) -> list[Path]:
     files = [
         p
         for p in root.rglob("*.py")
-        if p.is_file() and not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
+        if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
     ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -74,7 +72,7 @@ def _corpus_bytes(max_bytes: int, root: str | None) -> bytes:
     return b"".join(parts)
 
 
-def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> Tensor:
+def stdlib_corpus(max_bytes: int = _DEFAULT_MAX_BYTES, root: str | None = None) -> Tensor:
     """The corpus as a 1-D ``uint8`` tensor: the files of :func:`corpus_files`, each
     followed by a newline, concatenated until ``max_bytes`` (the last one cut there).
     Read once per process and cached; treat the tensor as read-only."""
@@ -87,7 +85,7 @@ def _corpus_tensor(max_bytes: int, root: str | None) -> Tensor:
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def corpus_digest(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> str:
+def corpus_digest(max_bytes: int = _DEFAULT_MAX_BYTES, root: str | None = None) -> str:
     """The first 16 hex digits of the corpus's SHA-256: which text a run trained on."""
     return hashlib.sha256(_corpus_bytes(max_bytes, root)).hexdigest()[:16]
 
@@ -97,7 +95,7 @@ def corpus_batch(
     seq_len: int,
     seed: int,
     *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_bytes: int = _DEFAULT_MAX_BYTES,
     root: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(tokens, targets)``, int64 of shape ``(batch, seq_len)``: ``batch`` windows of

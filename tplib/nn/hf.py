@@ -66,12 +66,12 @@ from tplib.nn.oppart import OpGroup, shard_spec, take_shard
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["GELU_OF_ACTIVATION", "config_from_hf", "load_gpt2"]
+__all__ = ["config_from_hf", "load_gpt2"]
 
 # Hugging Face's activation_function -> GPTConfig.gelu. "gelu_new", "gelu_pytorch_tanh"
 # and "gelu_fast" are all GELU's tanh approximation (GPT-2's own, written three ways),
 # "gelu" the exact one.
-GELU_OF_ACTIVATION = {
+_GELU_OF_ACTIVATION = {
     "gelu_new": "tanh",
     "gelu_pytorch_tanh": "tanh",
     "gelu_fast": "tanh",
@@ -127,10 +127,10 @@ def config_from_hf(hf_config: PreTrainedConfig, name: str = "gpt2-hf") -> GPTCon
     if model_type != "gpt2":
         raise ValueError(f"model_type={model_type!r}: tplib loads GPT-2 checkpoints ('gpt2') only")
     act = cfg.activation_function
-    if act not in GELU_OF_ACTIVATION:
+    if act not in _GELU_OF_ACTIVATION:
         raise ValueError(
             f"activation_function={act!r} is not supported: tplib's MLP computes GELU, "
-            f"one of {sorted(GELU_OF_ACTIVATION)}"
+            f"one of {sorted(_GELU_OF_ACTIVATION)}"
         )
     if cfg.n_inner is not None and cfg.n_inner != 4 * cfg.n_embd:
         raise ValueError(
@@ -163,7 +163,7 @@ def config_from_hf(hf_config: PreTrainedConfig, name: str = "gpt2-hf") -> GPTCon
         tie_embeddings=bool(cfg.tie_word_embeddings),
         layer_norm_eps=float(cfg.layer_norm_epsilon),
         init_std=float(cfg.initializer_range),
-        gelu=GELU_OF_ACTIVATION[act],
+        gelu=_GELU_OF_ACTIVATION[act],
         dropout=rates["resid_pdrop"],
     )
 

@@ -5,7 +5,7 @@ The model reads top to bottom: :class:`CausalSelfAttention`, :class:`MLP`,
 a contiguous range of blocks; the first stage also owns the embeddings and the last the
 final LayerNorm, LM head and loss. The whole model is the stage that covers every layer,
 so a stage's parameters have the same names as in the whole model and
-:func:`init_parameters` gives them the same values without building the whole model.
+:func:`_init_parameters` gives them the same values without building the whole model.
 
 The only idea beyond a plain GPT: attention can take a :class:`~tplib.nn.context.StageContext`
 and a ``start`` position, and then attends to the keys and values of earlier token slices
@@ -13,7 +13,7 @@ of the same sequences (see :mod:`tplib.nn.context`).
 
 Given an :class:`~tplib.nn.oppart.OpGroup` of #Op > 1 ranks, a stage holds only this rank's
 share of each block, embedding and head, split the Megatron way (see
-:mod:`tplib.nn.oppart`); :func:`init_parameters` then gives each shard exactly its part of
+:mod:`tplib.nn.oppart`); :func:`_init_parameters` then gives each shard exactly its part of
 the whole model's values. The blocks' products are :class:`tplib.nn.linear.Linear`; dropout,
 when training with it, is :mod:`tplib.nn.dropout`'s.
 """
@@ -49,7 +49,7 @@ from tplib.nn.oppart import (
     vocab_parallel_embedding,
 )
 
-__all__ = ["GPTStage", "build_model", "check_op", "check_stage_range", "init_parameters"]
+__all__ = ["GPTStage", "_init_parameters", "build_model", "check_op", "check_stage_range"]
 
 
 def _op_size(op: OpGroup | None) -> int:
@@ -288,7 +288,7 @@ def _whole_shapes(stage: GPTStage) -> dict[str, torch.Size]:
 
 
 @torch.no_grad()
-def init_parameters(stage: GPTStage, seed: int = 0) -> None:
+def _init_parameters(stage: GPTStage, seed: int = 0) -> None:
     """GPT-2 initialisation, drawn per parameter from a generator seeded by its name.
 
     Any stage therefore holds exactly the values the same layers have in the whole model,
@@ -337,5 +337,5 @@ def build_model(
     with torch.device(device):
         stage = GPTStage(cfg, lo, hi, op)
     stage.to(dtype=dtype)
-    init_parameters(stage, seed)
+    _init_parameters(stage, seed)
     return stage

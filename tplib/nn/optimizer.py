@@ -41,7 +41,6 @@ __all__ = [
     "DynamicLossScaler",
     "MixedPrecisionOptimizer",
     "PlainOptimizer",
-    "decay_groups",
     "is_matrix",
     "make_optimizer",
 ]
@@ -117,7 +116,7 @@ def _decay_all(param: Tensor) -> bool:
 DECAY_RULES: dict[str, Decay] = {"matrices": is_matrix, "all": _decay_all}
 
 
-def decay_groups(
+def _decay_groups(
     params: Sequence[Tensor], tensors: Sequence[Tensor], weight_decay: float, decay: Decay | None
 ) -> list[dict[str, Any]]:
     """AdamW parameter groups over ``tensors`` (the model's ``params`` themselves, or their
@@ -181,7 +180,7 @@ class MixedPrecisionOptimizer:
             master.grad = main
             self._masters.append(master)
         self.inner = torch.optim.AdamW(
-            decay_groups(self.params, self._masters, weight_decay, decay),
+            _decay_groups(self.params, self._masters, weight_decay, decay),
             lr=lr,
             betas=betas,
             eps=eps,
@@ -274,7 +273,7 @@ class PlainOptimizer:
         self.steps_skipped = 0  # never skips: there is no loss scale to back off
         self._device = self.params[0].device
         self.inner = torch.optim.AdamW(
-            decay_groups(self.params, self.params, weight_decay, decay),
+            _decay_groups(self.params, self.params, weight_decay, decay),
             lr=lr,
             betas=betas,
             eps=eps,

@@ -35,13 +35,13 @@ from tplib.reproduce.jobs import Job, results_root
 from tplib.tables import Rows, get_table
 from tplib.util.files import save_figure, write_csv
 
-__all__ = ["CONFIGURATIONS", "PAIRED", "PARTS_DIR", "describe", "gather", "split_job", "split_jobs"]
+__all__ = ["PARTS_DIR", "describe", "gather", "split_job", "split_jobs"]
 
 # Builder parameter -> the tag of one of its values; the first a builder takes splits it.
-CONFIGURATIONS = {"settings": "s", "seq_lens": "L"}
+_CONFIGURATIONS = {"settings": "s", "seq_lens": "L"}
 # Lists given element-wise with a configuration parameter: they are split along with it
 # when they are as long (Table 4 on this machine runs each L with its own batch).
-PAIRED = {"seq_lens": ("batches",)}
+_PAIRED = {"seq_lens": ("batches",)}
 PARTS_DIR = "slurm"  # under the results folder: the configurations' outputs and logs
 
 
@@ -59,7 +59,7 @@ def _builder_list(job: Job, name: str) -> list[Any] | None:
 def split_job(job: Job) -> list[Job]:
     """``job`` as one job per configuration (see the module docstring); ``[job]`` when
     its table's mode has no configurations to split over."""
-    for name, short in CONFIGURATIONS.items():
+    for name, short in _CONFIGURATIONS.items():
         values = _builder_list(job, name)
         if values is None:
             continue
@@ -73,7 +73,7 @@ def split_job(job: Job) -> list[Job]:
             )
         paired = {
             other: given
-            for other in PAIRED.get(name, ())
+            for other in _PAIRED.get(name, ())
             if (given := _builder_list(job, other)) is not None and len(given) == len(values)
         }
         root = Path(job.root) if job.root is not None else results_root()
@@ -97,7 +97,7 @@ def split_jobs(jobs: Sequence[Job]) -> list[tuple[Job, list[Job]]]:
 
 def describe(job: Job) -> str:
     """A configuration's job for messages: ``main_results (simulate) settings=[9]``."""
-    split = [f"{k}={job.params[k]}" for k in CONFIGURATIONS if k in job.params]
+    split = [f"{k}={job.params[k]}" for k in _CONFIGURATIONS if k in job.params]
     return " ".join([f"{job.table} ({job.mode})", *split])
 
 

@@ -30,7 +30,6 @@ from tplib.runtime.runfile import save_run_config
 
 __all__ = [
     "LAUNCHERS",
-    "PLAN_SOURCES",
     "Launch",
     "launch_commands",
     "run_on_nodes",
@@ -38,7 +37,7 @@ __all__ = [
     "setting_run",
 ]
 
-PLAN_SOURCES = ("cluster", "paper", "gpipe")  # or the path of a measured profile
+_PLAN_SOURCES = ("cluster", "paper", "gpipe")  # or the path of a measured profile
 GPUS_PER_NODE = 8  # p3.16xlarge, the paper's nodes
 
 
@@ -73,7 +72,7 @@ def setting_plan(
     path = Path(source)
     if not path.is_file():
         raise ValueError(
-            f"plan source {source!r} is neither one of {PLAN_SOURCES} nor a profile file"
+            f"plan source {source!r} is neither one of {_PLAN_SOURCES} nor a profile file"
         )
     from tplib.perfmodel import Profile
 

@@ -5,13 +5,13 @@ A :class:`~tplib.runtime.LocalPool` keeps every rank's
 :class:`~tplib.runtime.rank.Progress` in memory shared with the process that started
 the ranks, and reports it when one dies. Under torchrun the ranks are processes on
 several nodes and share nothing but the agents' TCPStore. So a :class:`Heartbeat`
-thread in each rank writes its progress there every :data:`PERIOD_S`, with a count that
+thread in each rank writes its progress there every :data:`_PERIOD_S`, with a count that
 goes up at every write: one small store write per rank a quarter second, however many
 actions the rank runs (a write per action would cost a store round trip per action).
 
 When a rank's receive breaks (its peer's connection closed) or times out, or torchrun's
 agent stops it (SIGTERM: a rank of its node died), :func:`watch` reads every rank's
-entry for up to :data:`SILENT_AFTER_S`. A rank whose count does not move has exited, been
+entry for up to :data:`_SILENT_AFTER_S`. A rank whose count does not move has exited, been
 killed or frozen, and :func:`lost_message` names it with what it was doing when it last
 wrote (:class:`RankLostError`). A rank that is alive but stuck keeps beating: then
 :func:`doing_message` says what every rank is doing.
@@ -30,8 +30,6 @@ from tplib.runtime.rank import Progress, rank_label, spans
 from tplib.runtime.runconfig import RunConfig
 
 __all__ = [
-    "PERIOD_S",
-    "SILENT_AFTER_S",
     "Beat",
     "Heartbeat",
     "RankLostError",
@@ -42,10 +40,10 @@ __all__ = [
     "watch",
 ]
 
-PERIOD_S = 0.25
+_PERIOD_S = 0.25
 # Four periods: a live rank writes at least twice meanwhile, even with its store write
 # or its thread's wake-up delayed by a busy node.
-SILENT_AFTER_S = 4 * PERIOD_S
+_SILENT_AFTER_S = 4 * _PERIOD_S
 _LISTED = 8  # ranks named one per line; the rest as spans
 
 
@@ -87,7 +85,7 @@ class Heartbeat:
         prefix: str,
         rank: int,
         progress: Progress,
-        period_s: float = PERIOD_S,
+        period_s: float = _PERIOD_S,
     ) -> None:
         self.store, self.prefix, self.rank = store, prefix, rank
         self.progress, self.period_s = progress, period_s
@@ -134,8 +132,8 @@ def watch(
     store: dist.Store,
     prefix: str,
     world_size: int,
-    wait_s: float = SILENT_AFTER_S,
-    poll_s: float = PERIOD_S / 2,
+    wait_s: float = _SILENT_AFTER_S,
+    poll_s: float = _PERIOD_S / 2,
 ) -> tuple[list[int], list[Beat]]:
     """The ranks that write nothing for ``wait_s`` (less once every rank has written),
     and every rank's last entry."""

@@ -13,7 +13,7 @@ agree on), and the learning rate driven by ``torch.optim.lr_scheduler`` schedule
 (:func:`torch_lr_scheduler`), not by :mod:`tplib.nn.lr`.
 
 Asynchronous schedules compute gradients on older weights, and the reference applies
-their defining recurrences directly (:func:`stage_delays`): iteration t's gradient is
+their defining recurrences directly (:func:`_stage_delays`): iteration t's gradient is
 taken with stage k's weights as they were ``d_k`` updates ago,
 W(t+1) = W(t) - lr * grad f_t(W_0(t - d_0), ..., W_{K-1}(t - d_{K-1})), clamped at
 W(0), and AdamW's moments are taken over these delayed gradients. It keeps the history
@@ -42,10 +42,10 @@ from tplib.nn.dropout import DropoutKey
 from tplib.nn.model import GPTStage, build_model
 from tplib.runtime.runconfig import RunConfig
 
-__all__ = ["ReferenceResult", "stage_delays", "torch_lr_scheduler", "train_reference"]
+__all__ = ["ReferenceResult", "torch_lr_scheduler", "train_reference"]
 
 
-def stage_delays(run: RunConfig) -> tuple[int, ...]:
+def _stage_delays(run: RunConfig) -> tuple[int, ...]:
     """The updates by which each stage's weights lag in ``run``'s update rule, from the
     papers: 2BW 1 on every stage; PipeDream K-1-k on stage k (weight stashing), K-1 on
     every stage with vertical sync; synchronous schedules 0."""
@@ -111,7 +111,7 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     )
     scheduler = torch_lr_scheduler(optimizer, run)
     result = ReferenceResult([], {}, {})
-    delays = stage_delays(run)
+    delays = _stage_delays(run)
     delayed = _Delayed(run, model) if any(delays) else None
     for i in range(run.warmup + run.steps):
         tokens, targets = training_batch(

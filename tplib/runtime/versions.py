@@ -27,10 +27,10 @@ from torch import nn
 
 from tplib.schedule import NO_VERSION, Action
 
-__all__ = ["WeightVersions", "last_uses"]
+__all__ = ["WeightVersions", "_last_uses"]
 
 
-def last_uses(actions: Sequence[Action]) -> dict[int, int]:
+def _last_uses(actions: Sequence[Action]) -> dict[int, int]:
     """Each version's last use (an index into ``actions``)."""
     out: dict[int, int] = {}
     for i, a in enumerate(actions):
@@ -53,7 +53,7 @@ class WeightVersions:
             for name, p in mod._parameters.items()
             if p is not None
         ]
-        self.last_use = last_uses(actions)
+        self.last_use = _last_uses(actions)
         self.latest = 0
         self.versions: dict[int, list[nn.Parameter]] = {0: self._alias()}
         self.installed = -1

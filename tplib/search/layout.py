@@ -47,7 +47,7 @@ from tplib.partition.topology import Topology
 from tplib.planner import plan_slices
 from tplib.sim.simulate import simulate_schedule
 
-__all__ = ["Candidate", "Layout", "Search", "autoplan", "latency_floor", "layouts", "memory_floor"]
+__all__ = ["Candidate", "Layout", "Search", "_memory_floor", "autoplan", "latency_floor", "layouts"]
 
 EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
 GRANULARITY = 8
@@ -157,7 +157,7 @@ def layouts(
             yield n_data, n_stages, n_op
 
 
-def memory_floor(
+def _memory_floor(
     cfg: GPTConfig, layout: Layout, seq_len: int, pipeline_batch: int, cal: Calibration
 ) -> float:
     """The least memory per GPU any plan of ``layout`` needs (see the module docstring)."""
@@ -262,7 +262,7 @@ def autoplan(
     best: float = math.inf
     for lay in sorted(found, key=floors.__getitem__):
         b = batch // lay.n_data
-        mem_floor = memory_floor(cfg, lay, L, b, calibration)
+        mem_floor = _memory_floor(cfg, lay, L, b, calibration)
         if mem_floor > hw.gpu_memory:
             out.append(Candidate(lay, "out of memory", floors[lay], mem_floor))
         elif floors[lay] >= best:

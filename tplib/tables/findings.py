@@ -15,19 +15,16 @@ import pandas as pd
 from tplib.plan import Plan
 
 __all__ = [
-    "GPIPE_TOLERANCE",
-    "PLAN_TOLERANCE",
     "SPEEDUP_TOLERANCE",
     "ablation_targets",
     "fidelity_extras",
-    "longer_first",
     "measured",
     "speedup_targets",
 ]
 
 SPEEDUP_TOLERANCE = 0.15  # predicted speedup within +-15% of the paper's
-GPIPE_TOLERANCE = 0.10  # simulated GPipe latency within +-10% of the paper's
-PLAN_TOLERANCE = 0.15  # the paper's own plan, simulated, within +-15% of its latency
+_GPIPE_TOLERANCE = 0.10  # simulated GPipe latency within +-10% of the paper's
+_PLAN_TOLERANCE = 0.15  # the paper's own plan, simulated, within +-15% of its latency
 _BEYOND_COLUMNS = (
     "tflops_per_gpu",
     "paper_tflops_per_gpu",
@@ -46,7 +43,7 @@ _PAPER_PLAN_COLUMNS = (
 )
 
 
-def longer_first(scheme: str) -> bool:
+def _longer_first(scheme: str) -> bool:
     """Whether every batch slice's token slices do not grow from first to last half."""
     p = Plan.from_paper(scheme)
     for ts in p.token_slices:
@@ -75,24 +72,24 @@ def speedup_targets(df: pd.DataFrame, key: str) -> str:
             f"({r.err_speedup:+.1%}); our plan `{r.plan}`, the paper's `{r.paper_plan}`"
         )
     err_g = df.err_latency_gpipe
-    lines.append(f"- GPipe latency: {_within(err_g, GPIPE_TOLERANCE)} of the paper's.")
+    lines.append(f"- GPipe latency: {_within(err_g, _GPIPE_TOLERANCE)} of the paper's.")
     if "gpipe_row" in df.columns:
         held = df[df.gpipe_row == "held out"]
         lines.append(
             "  - rows the calibration's fit did not see: "
             + ", ".join(f"{r[key]} {r.err_latency_gpipe:+.1%}" for _, r in held.iterrows())
         )
-    for _, r in df[err_g.abs() > GPIPE_TOLERANCE].iterrows():
+    for _, r in df[err_g.abs() > _GPIPE_TOLERANCE].iterrows():
         lines.append(f"  - **miss** {key} {r[key]}: {r.err_latency_gpipe:+.1%}")
     if "err_latency_paper_plan" in df.columns:
         err_p = df.err_latency_paper_plan
         lines.append(
-            f"- the paper's own plans, simulated: {_within(err_p, PLAN_TOLERANCE)} of its "
+            f"- the paper's own plans, simulated: {_within(err_p, _PLAN_TOLERANCE)} of its "
             f"measured TeraPipe latency; largest error {err_p.abs().max():.1%}."
         )
-        for _, r in df[err_p.abs() > PLAN_TOLERANCE].iterrows():
+        for _, r in df[err_p.abs() > _PLAN_TOLERANCE].iterrows():
             lines.append(f"  - **miss** {key} {r[key]}: {r.err_latency_paper_plan:+.1%}")
-    shaped = [longer_first(x) for x in df.plan]
+    shaped = [_longer_first(x) for x in df.plan]
     lines.append(
         f"- DP plans with longer slices first (mean of the first half >= the last half): "
         f"{sum(shaped)} of {len(df)}."

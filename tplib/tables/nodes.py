@@ -28,7 +28,7 @@ from tplib.plan import Plan
 from tplib.runs.settings import setting_run
 from tplib.search.setting import beside_paper, rel, setting_fields, tflops_per_gpu
 
-__all__ = ["ablation_rows_on_nodes", "from_nodes", "measured_row", "on_nodes", "run_settings"]
+__all__ = ["ablation_rows_on_nodes", "from_nodes", "on_nodes", "run_settings"]
 
 
 def on_nodes(settings: Sequence[object], launch: object, table: str) -> bool:
@@ -51,7 +51,7 @@ def from_nodes(df: pd.DataFrame) -> bool:
     return "launcher" in df.columns
 
 
-def measured_row(
+def _measured_row(
     n: int, seq_len: int | None, gpipe: Any, terapipe: Any, launcher: str
 ) -> dict[str, object]:
     """The row of setting ``n`` (at ``seq_len``) from its two runs' results
@@ -108,7 +108,7 @@ def run_settings(
     for n, seq_len, gpipe, tera in jobs:
         tag = f"setting{n}" + (f"-L{seq_len}" if seq_len else "")
         rows.append(
-            measured_row(
+            _measured_row(
                 n,
                 seq_len,
                 run_on_nodes(gpipe, how, f"{tag}-gpipe"),

@@ -28,9 +28,9 @@ from tplib.tables.base import Comparison, Rows, Table, TableMode
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool
 
-__all__ = ["TABLE", "TARGET", "measure"]
+__all__ = ["TABLE", "measure"]
 
-TARGET = 0.10  # the simulator within 10% of the measured median latency
+_TARGET = 0.10  # the simulator within 10% of the measured median latency
 MICROBATCHED = ("gpipe", "1f1b")  # run on microbatches of one sequence, not token slices
 
 
@@ -102,7 +102,7 @@ def measure(
 
 def _findings(df: pd.DataFrame) -> str:
     def verdict(err: float) -> str:
-        return "within" if abs(err) <= TARGET else "OUTSIDE"
+        return "within" if abs(err) <= _TARGET else "OUTSIDE"
 
     lines = []
     first = df.iloc[0]
@@ -121,8 +121,8 @@ def _findings(df: pd.DataFrame) -> str:
             f"- `{r['schedule']}`: measured {r['latency']:.4g} s median ({r['latency_mean']:.4g}"
             f" ± {r['latency_std']:.2g} s, {r['busy_cores']:.1f} cores busy with other jobs); "
             f"simulated {r['simulated_latency']:.4g} s, error {err:+.1%} ({verdict(err)} "
-            f"{TARGET:.0%}); a core per stage {r['simulated_latency_dedicated']:.4g} s, error "
-            f"{err_dedicated:+.1%} ({verdict(err_dedicated)} {TARGET:.0%})"
+            f"{_TARGET:.0%}); a core per stage {r['simulated_latency_dedicated']:.4g} s, error "
+            f"{err_dedicated:+.1%} ({verdict(err_dedicated)} {_TARGET:.0%})"
         )
     return "\n".join(lines)
 
