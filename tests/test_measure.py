@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.unit_costs import ConstantCosts
 from tplib.measure import (
     BYTES_PER_ACTIVATION,
     BottleneckCost,
@@ -33,7 +34,7 @@ from tplib.reproduce import notebooks_dir
 from tplib.runtime import LocalPool, RankResult, RunConfig, RunResult, measure_link
 from tplib.schedule import make_schedule
 from tplib.sim.costs import Link
-from tplib.sim.simulate import ConstantCosts, simulate
+from tplib.sim.simulate import simulate
 from tplib.tables import run_table
 from tplib.util import machine
 

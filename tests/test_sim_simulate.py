@@ -194,6 +194,23 @@ def test_1f1b_simulates_with_a_slice_model() -> None:
     assert total <= r.latency and total <= t.latency
 
 
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize(
+    ("name", "plan"),
+    [("pipedream", Plan.uniform(1, 16, n_token_slices=2)), ("2bw", Plan.gpipe(4, 16))],
+)
+def test_asynchronous_schedules_simulate_by_name(name: str, plan: Plan, validate: bool) -> None:
+    costs = ConstantCosts(1.0, 2.0)
+    r = simulate_schedule(name, 3, plan, costs, n_iterations=4, validate=validate)
+    want = simulate(make_schedule(name, 3, plan, n_iterations=4), costs)
+    assert r.schedule == name and r.latency == want.latency
+    pd.testing.assert_frame_equal(r.timeline, want.timeline)
+    # Four iterations, each ended by an update on every stage: no flush in between.
+    assert (r.timeline["kind"] == "OPT").sum() == 4 * 3
+    one = simulate_schedule(name, 3, plan, costs, validate=validate)
+    assert (one.timeline["kind"] == "OPT").sum() == 3 and one.latency < r.latency
+
+
 def test_plot_timeline_draws_simulated_and_measured_traces() -> None:
     r = simulate_schedule(
         "terapipe",

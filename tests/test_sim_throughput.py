@@ -6,10 +6,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from tests.unit_costs import ConstantCosts
 from tplib.paper import setting
 from tplib.plan import Plan
 from tplib.search.setting import cost_model, plan_terapipe
-from tplib.sim.simulate import ConstantCosts, simulate_schedule
+from tplib.sim.simulate import simulate_schedule
 from tplib.sim.throughput import steady_bubble, steady_state, steady_window, update_ends
 
 UNIT = ConstantCosts(t_f=1.0, t_b=2.0)  # free communication, free update

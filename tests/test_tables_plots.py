@@ -20,9 +20,10 @@ from matplotlib.colors import to_rgba_array
 from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 
+from tests.unit_costs import ConstantCosts
 from tplib.plan import Plan
 from tplib.schedule import make_schedule
-from tplib.sim.simulate import ConstantCosts, simulate
+from tplib.sim.simulate import simulate
 from tplib.tables.plots import dp_ablation_figure, main_results_figure, plot_timeline, seqlen_figure
 
 ROOT = Path(__file__).resolve().parents[1]

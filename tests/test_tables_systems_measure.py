@@ -17,11 +17,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
+from tests.unit_costs import ConstantCosts
 from tplib.measure import Profiling
 from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
 from tplib.schedule import Action, Kind
-from tplib.sim.simulate import ConstantCosts
 from tplib.sim.throughput import steady_window
 from tplib.tables import run_table
 from tplib.tables.systems_measure import RecomputeCosts, measured_systems, statistical_efficiency

@@ -1,0 +1,44 @@
+"""A cost model for tests: every action of a kind costs the same, so a schedule's
+latency can be worked out by hand and compared with what the simulator finds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tplib.plan import Plan
+from tplib.schedule import SENDS, Action, Kind, covered_slices
+
+__all__ = ["ConstantCosts"]
+
+
+@dataclass(frozen=True)
+class ConstantCosts:
+    """The same cost for every unit: ``t_f`` per forward, ``t_b`` per backward, ``t_send``
+    per message on the link, ``t_recv`` per receive, plus a per-stage all-reduce and
+    optimizer step. The simplest
+    :class:`~tplib.sim.costs.ActionCosts`: schedules priced in units, as the tests
+    reason about them."""
+
+    t_f: float = 1.0
+    t_b: float = 2.0
+    t_send: float = 0.0
+    t_recv: float = 0.0
+    t_allreduce: float = 0.0
+    t_optimizer: float = 0.0
+    blocking_sends: bool = False
+    t_w: float = 1.0  # the weight gradients' part of t_b, per token slice, fused or not
+
+    def compute(self, stage: int, action: Action, plan: Plan) -> float:
+        return self.t_f if action.kind is Kind.F else self.t_b
+
+    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
+        return self.t_w * len(covered_slices(plan, action.b, action.t))
+
+    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
+        return self.t_send if action.kind in SENDS else self.t_recv
+
+    def allreduce(self, stage: int) -> float:
+        return self.t_allreduce
+
+    def optimizer(self, stage: int) -> float:
+        return self.t_optimizer
