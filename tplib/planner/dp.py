@@ -235,7 +235,10 @@ def algorithm1(
     batch_slice_size: int = 1,
     granularity: int = 8,
 ) -> tuple[float, tuple[int, ...]]:
-    """Algorithm 1 for one fixed t_max: ``S*(L; t_max)`` and its slicing (inf, () if none)."""
+    """Algorithm 1 for one fixed t_max: ``S*(L; t_max)`` and its slicing (inf, () if none).
+
+    A reference oracle: the paper's Algorithm 1 as the paper states it, one ``t_max`` and
+    no window search, which the tests hold :func:`token_dp` and the joint planners to."""
     b = batch_slice_size
     check_batch_slice_size(cost, b)
     grid = slice_time_table(cost, seq_len=seq_len, max_batch_slice_size=b, granularity=granularity)

@@ -67,7 +67,9 @@ def _fused(cost: WeightGradModel, batch_slice_size: int, seq_len: int) -> float:
 
 
 def zero_bubble_latency(cost: WeightGradModel, plan: Plan, n_stages: int) -> float:
-    """T_zb of ``plan`` (see the module docstring)."""
+    """T_zb of ``plan`` (see the module docstring), summed unit by unit from the
+    definition: the reference oracle that :func:`plan_zero_bubble`'s plans are tested
+    to minimise, and a way to price any plan under ``terapipe-zb``'s objective."""
     fb = ForwardBackwardCost(cost)
     tau = [
         float(
