@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import pandas as pd
 import pytest
 
 import tplib.reproduce as rp
+import tplib.reproduce.jobs as jobs
 from tplib.reproduce import Job, default_jobs, reproduce
 from tplib.reproduce.summary import equal_to_reference, section
 from tplib.tables import get_table
@@ -41,22 +43,6 @@ SMALL = {
 # ---- the real thing, on a fresh copy ------------------------------------------------------
 
 
-def _fresh_copy(dest: Path) -> Path:
-    """The files a clone of this checkout has (tracked, and new ones git does not ignore)."""
-    listed = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        src = ROOT / rel
-        if src.is_file():
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(src.read_bytes())
-    return dest
-
-
 def _command(copy: Path) -> list[str]:
     # `python -m` puts the working directory first on sys.path: the copy's own tplib runs.
     return [
@@ -72,7 +58,7 @@ def _command(copy: Path) -> list[str]:
 
 
 def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) -> None:
-    copy = _fresh_copy(tmp_path / "repo")
+    copy = code_copy(tmp_path / "repo", ["."])  # what a clone of this checkout has
     results = copy / "results"
     first = results / "main_results" / "main_results-simulate.ipynb"
     committed = first.read_bytes()
@@ -113,9 +99,14 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     ):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
-    assert (
-        summary == out.stdout.split("\n", 2)[2].rstrip("\n") + "\n" or "# Reproduction" in summary
-    )
+    assert summary.startswith("# Reproduction summary\n"), summary[:200]
+    # The command ends with the line naming the summary's file, a blank line, and the
+    # summary it wrote, as it is in that file; progress lines come before.
+    _, said, after = out.stdout.partition("; summary in ")
+    path, blank, printed = after.partition("\n\n")
+    assert said and blank, out.stdout[-3000:]
+    assert (copy / path).resolve() == (results / "SUMMARY.md").resolve()
+    assert printed == summary + "\n"
     # Each table's reproduced rows equal the copy's committed ones.
     assert summary.count("**Equal to the committed reference**") == 5, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
@@ -234,6 +225,33 @@ def test_a_run_killed_mid_notebook_redoes_only_that_notebook(tmp_path: Path) -> 
     os.umask(umask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in results.rglob("*") if p.is_file()}
     assert set(modes.values()) == {0o666 & ~umask}, modes  # as any new file, not 0600
+
+
+# ---- one notebook, as run_job runs it ------------------------------------------------------
+
+
+def test_a_job_s_kernel_talks_over_unix_sockets_without_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # A one-cell stand-in for a table notebook: the kernel's start is what is under test.
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("mode = None", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "from ipykernel.kernelapp import IPKernelApp\nprint(IPKernelApp.instance().transport)"
+        ),
+    ]
+    nbformat.write(nb, notebooks / "main_results.ipynb")
+    monkeypatch.setattr(jobs, "notebooks_dir", lambda: notebooks)
+    job = Job("main_results", "simulate", root=str(tmp_path / "results"))
+    jobs.run_job(job)
+    out, err = capfd.readouterr()  # the kernel's own stderr is this process's
+    assert "without encryption" not in out + err, err
+    executed = nbformat.read(job.executed, as_version=4)
+    assert executed.cells[-1].outputs[0]["text"].strip() == "ipc"
 
 
 # ---- resuming, with notebooks replaced by a stand-in ---------------------------------------

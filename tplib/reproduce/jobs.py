@@ -5,11 +5,17 @@ A :class:`Job` runs ``notebooks/<table>.ipynb`` in ``mode`` with the table's ``p
 its executed copy, CSV and figure land in ``<results>/<table>/``. The executed notebook
 is written to a temporary file and renamed into place when the notebook has finished,
 and the notebook writes its CSV and figure atomically, so nothing is half-written.
+
+The kernel talks to papermill over Unix sockets in a directory of the job's own, not
+over TCP: the kernel is always on this machine, and ipykernel warns at every start that
+TCP carries code and outputs unencrypted. The private directory also keeps jobs running
+side by side (SLURM tasks sharing a node) from contending for ports.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +132,19 @@ def default_jobs(
     return jobs
 
 
+def _kernel_config(sockets: Path) -> Any:
+    """The kernel manager's configuration for a kernel whose channels are Unix sockets
+    named ``<sockets>/kernel-<n>``; the default (TCP) where zmq has no IPC transport."""
+    import zmq
+    from traitlets.config import Config
+
+    if not zmq.has("ipc"):
+        return Config()
+    # An absolute path: the kernel starts in the notebooks' directory, papermill elsewhere,
+    # and both must name the same sockets.
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(sockets.resolve() / "kernel")}})
+
+
 def run_job(job: Job, *, kernel: str = "python3", log_output: bool = False) -> None:
     """Execute ``job``'s notebook with papermill; the executed copy appears only when
     the notebook has finished. The kernel imports this checkout's tplib."""
@@ -141,15 +160,17 @@ def run_job(job: Job, *, kernel: str = "python3", log_output: bool = False) -> N
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env_before) if p)
 
     def execute(tmp: Path) -> None:
-        pm.execute_notebook(
-            str(source),
-            str(tmp),
-            parameters=job.parameters,
-            kernel_name=kernel,
-            cwd=str(notebooks_dir()),
-            progress_bar=False,
-            log_output=log_output,
-        )
+        with tempfile.TemporaryDirectory(prefix="tplib-kernel-") as sockets:
+            pm.execute_notebook(
+                str(source),
+                str(tmp),
+                parameters=job.parameters,
+                kernel_name=kernel,
+                cwd=str(notebooks_dir()),
+                progress_bar=False,
+                log_output=log_output,
+                config=_kernel_config(Path(sockets)),
+            )
 
     try:
         atomic_write(job.executed, execute)
