@@ -423,3 +423,14 @@ def test_summary_of_a_measured_table_has_no_paper_column() -> None:
     text = section(get_table("main_results"), "measure", df, None)
     assert "| pipeline batch | reproduced | reference | Δ reference |" in text
     assert "No committed reference" in text
+
+
+def test_summary_compares_an_error_column_in_percentage_points() -> None:
+    # A ratio of two errors (-278% here) says nothing a reader can use; a speedup's
+    # difference stays relative (the tests above).
+    df = pd.DataFrame({"schedule": ["gpipe", "1f1b"], "err_simulated_latency": [0.032, 0.04]})
+    reference = df.assign(err_simulated_latency=[-0.018, 0.04])
+    text = section(get_table("simulator_validation"), "measure", df, reference)
+    assert "| gpipe | +3.2% | -1.8% | +5.0 pp |" in text
+    assert "| 1f1b | +4.0% | +4.0% | = |" in text
+    assert "differences are in percentage points (pp)" in text

@@ -6,6 +6,11 @@ row's key, the paper's number (simulate mode), the reproduced one, the committed
 reference's, and the differences. In simulate mode, which is deterministic, it also says
 whether the whole table equals the committed reference, timing columns aside
 (:data:`~tplib.tables.TIMING_COLUMNS`), and lists any row that does not.
+
+A difference is relative ("+7.6%") for a quantity such as a speedup or a latency, and
+absolute, in percentage points ("+1.4 pp"), for an error column (``err_<column>``,
+``<column>_error``: itself a relative difference): an error that moved from 1.8% to
+3.2% changed by 1.4 points, where a ratio of the two (+77%) says little.
 """
 
 from __future__ import annotations
@@ -26,10 +31,27 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def _delta(ours: float, theirs: float) -> str:
+def _is_error_column(name: str) -> bool:
+    """Whether column ``name`` holds a relative error (0.018 for 1.8%), by the tables'
+    naming: ``err_<column>`` (ours / the paper's − 1, the simulator's / the measured − 1)
+    or ``<column>_error``."""
+    return name.startswith("err_") or name.endswith("_error")
+
+
+def _fmt_value(value: float, error: bool) -> str:
+    if error and np.isfinite(value):
+        return f"{value:+.1%}"
+    return _fmt(value)
+
+
+def _delta(ours: float, theirs: float, error: bool = False) -> str:
     if ours == theirs:
         return "="
-    if not (np.isfinite(ours) and np.isfinite(theirs)) or theirs == 0:
+    if not (np.isfinite(ours) and np.isfinite(theirs)):
+        return "—"
+    if error:
+        return f"{(ours - theirs) * 100:+.1f} pp"
+    if theirs == 0:
         return "—"
     return f"{ours / theirs - 1:+.1%}"
 
@@ -90,22 +112,28 @@ def section(table: Table, mode: Mode, df: pd.DataFrame, reference: pd.DataFrame 
     lines += ["| " + " | ".join(c.replace("_", " ") for c in cols) + " |"]
     lines += ["| " + " | ".join("---" if c in head else "---:" for c in cols) + " |"]
     ref_rows = {} if reference is None else {_key(r, cmp.key): r for _, r in reference.iterrows()}
+    error = _is_error_column(cmp.value)
     for _, r in df.iterrows():
         ours = float(r[cmp.value])
         cells = [_fmt(r[c]) for c in head]
         if cmp.paper:
-            cells += [_fmt(r[cmp.paper]), _fmt(ours), _delta(ours, float(r[cmp.paper]))]
+            paper = float(r[cmp.paper])
+            cells += [_fmt_value(paper, error), _fmt_value(ours, error)]
+            cells += [_delta(ours, paper, error)]
         else:
-            cells += [_fmt(ours)]
+            cells += [_fmt_value(ours, error)]
         ref = ref_rows.get(_key(r, cmp.key))
         if ref is None or cmp.value not in ref:
             cells += ["—", "—"]
         else:
-            cells += [_fmt(ref[cmp.value]), _delta(ours, float(ref[cmp.value]))]
+            theirs = float(ref[cmp.value])
+            cells += [_fmt_value(theirs, error), _delta(ours, theirs, error)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
-        f"Compared: `{cmp.value}`" + (f" against the paper's `{cmp.paper}`." if cmp.paper else ".")
+        f"Compared: `{cmp.value}`"
+        + (f" against the paper's `{cmp.paper}`" if cmp.paper else "")
+        + ("; an error, so differences are in percentage points (pp)." if error else ".")
     )
     if reference is None:
         lines.append(unmatched or "No committed reference to compare with.")
