@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tplib.nn.dropout import DropoutKey
 from tplib.nn.model import GPTStage
 from tplib.nn.oppart import OpGroup, merge_shards, shard_spec
 from tplib.nn.slicing import full_batch_loss, run_pipeline_local
@@ -281,6 +282,29 @@ def test_sliced_pipeline_matches_hf(gpt2: tuple[Any, Path]) -> None:
     assert_scaled_close(loss, expected.detach(), what="sliced loss")
     # wte (stage 0) and head (stage 1) are two copies: each holds the whole gradient.
     _check_against_hf(hf, stages, lambda g: g, what="sliced")
+
+
+def test_a_checkpoint_s_dropout_drops_only_with_a_key(tmp_path: Path) -> None:
+    hf = _hf_model(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # GPT-2's own rates
+    stage = load_gpt2(_save(hf, tmp_path))
+    assert stage.cfg.dropout == 0.1
+    tokens = _tokens()
+    x, targets = tokens[:, :-1], tokens[:, 1:]
+    plan = Plan((B,), ((L,),))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, labels=tokens).loss  # eval(): no dropout
+    # Without a key the loaded model is Hugging Face's in eval() mode ...
+    assert_scaled_close(
+        run_pipeline_local([stage], x, plan, targets=targets).detach(), expected, what="no key"
+    )
+    # ... with one it drops, the same elements for the same key.
+    key = DropoutKey(seed=7)
+    dropped = [
+        run_pipeline_local([stage], x, plan, targets=targets, dropout=key).detach()
+        for _ in range(2)
+    ]
+    assert not torch.allclose(dropped[0], expected, rtol=1e-3), "the key dropped nothing"
+    assert torch.equal(dropped[0], dropped[1])
 
 
 # ---- what does not load ----------------------------------------------------------------------

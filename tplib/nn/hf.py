@@ -19,8 +19,11 @@ buffers older checkpoints carry are causal masks, not parameters, and are skippe
 Loading is strict: a key the stage needs and the file lacks, a key no GPT-2 of this
 configuration has, or a tensor of the wrong shape raises ``ValueError`` naming it.
 
-tplib has no dropout: it computes what Hugging Face computes in ``eval()`` mode (or with
-every ``*_pdrop`` = 0).
+Dropout: the checkpoint's rate becomes ``GPTConfig.dropout``, but the model drops only
+when it is given a :class:`~tplib.nn.dropout.DropoutKey`. Without one it computes what
+Hugging Face computes in ``eval()`` mode (or with every ``*_pdrop`` = 0); with one it
+drops at the same rate, but other elements: its masks are keyed by position, Hugging
+Face's drawn from torch's generator.
 
 Loss positions. The two models score different positions by default:
 
@@ -119,8 +122,9 @@ def config_from_hf(hf_config: PreTrainedConfig, name: str = "gpt2-hf") -> GPTCon
     (``n_inner``), unscaled attention (``scale_attn_weights=False``), attention scaled by
     the layer index (``scale_attn_by_inverse_layer_idx``) and cross-attention
     (``add_cross_attention``). ``reorder_and_upcast_attn`` is accepted: it computes the
-    same attention, only in another order and precision under mixed precision. Dropout
-    rates are ignored (tplib has no dropout).
+    same attention, only in another order and precision under mixed precision. The
+    three dropout rates (``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop``) must be equal:
+    tplib's one rate, ``GPTConfig.dropout``, is theirs.
     """
     cfg: Any = hf_config  # GPT2Config's fields are not on PreTrainedConfig's type
     model_type = getattr(cfg, "model_type", None)
