@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 
 from tplib.paper import TABLE2, TABLE3, TABLE4, PaperResult, setting
 from tplib.plan import Plan
+from tplib.planner import pipeline_latency
 from tplib.search.setting import (
     compare_joint_methods,
+    cost_model,
     paper_flops,
-    simulate_on_cluster,
     simulate_setting,
     tflops_per_gpu,
 )
@@ -137,9 +138,16 @@ def test_main_results_simulates_the_papers_own_plan() -> None:
     r = result.df.iloc[0]
     assert r["paper_plan"] == "[(1, [128] * 16)] * 2" and r["paper_latency_terapipe"] == 1.160
     assert r["paper_speedup"] == pytest.approx(5.822 / 1.160)
-    own = simulate_on_cluster(setting(10), Plan.from_paper(r["paper_plan"])).latency
-    assert r["latency_paper_plan"] == pytest.approx(own)
-    assert r["err_latency_paper_plan"] == pytest.approx(own / 1.160 - 1)
+    # Checked two ways that do not rerun the row's own call: the committed reference row,
+    # and the planner's fill-drain formula sum t + (K - 1) max t on the same cost model,
+    # which the simulated pipeline (communication and update included) stays close to.
+    committed = pd.read_csv(ROOT / "results/main_results/main_results-simulate.csv")
+    reference = committed.set_index("setting").loc[10, "latency_paper_plan"]
+    assert r["latency_paper_plan"] == pytest.approx(reference, rel=1e-12)
+    s = setting(10)
+    formula = pipeline_latency(r["paper_plan"], cost_model(s), s.n_stages)
+    assert r["latency_paper_plan"] == pytest.approx(formula, rel=0.01)
+    assert r["err_latency_paper_plan"] == pytest.approx(r["latency_paper_plan"] / 1.160 - 1)
     assert r["gpipe_row"] == "held out"
     extra = result.extras["the paper's own plans on our cluster model"]
     assert list(extra.setting) == [10]
