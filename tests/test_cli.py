@@ -223,6 +223,31 @@ def test_simulate_a_paper_setting(capsys: pytest.CaptureFixture[str]) -> None:
     committed = pd.read_csv(ROOT / "results/main_results/main_results-simulate.csv")
     row = committed[committed.setting == 10].iloc[0]
     assert out["speedup"] == row.speedup and out["plan"] == row.plan
+    assert out["paper_speedup"] == row.paper_speedup and out["paper_plan"] == row.paper_plan
+
+
+@pytest.mark.parametrize(
+    ("argv", "table", "paper"),
+    [
+        (["--setting", "10"], 2, ("5.822 s", "1.160 s", "5.02x", "[(1, [128] * 16)] * 2")),
+        (["--setting", "5", "--seq-len", "4096"], 4, ("2.526 s", "0.913 s", "2.77x", "[(1, [552")),
+    ],
+)
+def test_simulate_prints_the_paper_s_numbers_beside_ours(
+    capsys: pytest.CaptureFixture[str], argv: list[str], table: int, paper: tuple[str, ...]
+) -> None:
+    assert main(["simulate", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ours, theirs = lines[1].index("ours"), lines[1].index(f"paper's reference (Table {table}")
+    gpipe, tera, speedup = (
+        next(ln for ln in lines if ln.strip().startswith(name))
+        for name in ("w/o TeraPipe", "w/  TeraPipe", "speedup")
+    )
+    # Each of the paper's values stands in the paper's column, ours in our column.
+    for line, value in zip((gpipe, tera, speedup), paper, strict=False):
+        assert line[theirs:].strip() == value, line
+        assert line[ours:theirs].strip() not in ("", value), line
+    assert any(ln.strip().startswith(f"paper's plan: {paper[3]}") for ln in lines), lines
 
 
 def test_plan_needs_exactly_one_cost_source(capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,7 +304,12 @@ def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
     sliced = Plan(expected.plan.batch_slices, expected.plan.token_slices)
     assert run == dataclasses.replace(expected, slicing=sliced)
     assert run.plan.to_paper() == expected.plan.to_paper()
-    assert (run.n_data, run.n_stages, run.n_op, run.world_size) == (1, 96, 4, 384)
+    assert (
+        run.parallelism.n_data,
+        run.parallelism.n_stages,
+        run.parallelism.n_op,
+        run.parallelism.world_size,
+    ) == (1, 96, 4, 384)
     assert "vocabulary padded from 50257 to 50260" in printed  # a multiple of #Op = 4
     torchrun = [ln.strip() for ln in printed.splitlines() if ln.strip().startswith("torchrun ")]
     assert len(torchrun) == 1, printed

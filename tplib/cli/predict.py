@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tplib.plan import Plan
 from tplib.planner import best_uniform, pipeline_latency, plan_slices
@@ -222,18 +222,32 @@ def _warn_dropout(path: str, prof: Profile) -> None:
 
 
 def simulate_command(args: argparse.Namespace) -> int:
-    from tplib.search.setting import simulate_setting
+    from tplib.paper import GPIPE, TERAPIPE, main_row, seqlen_row
+    from tplib.search.setting import beside_paper, simulate_setting
 
     r = simulate_setting(args.setting, seq_len=args.seq_len, method=args.method, eps=args.eps)
+    # Setting (5) at L = 2048 is in Tables 2 and 4 alike; Table 2 is the one it belongs to.
+    seq_len = cast(int, r["seq_len"])
+    if seq_len == 2048:
+        g, t = main_row(args.setting, GPIPE), main_row(args.setting, TERAPIPE)
+    else:
+        g, t = seqlen_row(seq_len, GPIPE), seqlen_row(seq_len, TERAPIPE)
+    r = beside_paper(r, g, t)
     if args.json:
         print(json.dumps(r, default=float))
         return 0
     print(
         f"setting ({args.setting}) {r['model']}: L={r['seq_len']}, B={r['pipeline_batch']} per "
-        f"pipeline, K={r['n_stages']}, #Op={r['n_op']}, #Data={r['n_data']} (simulated V100 "
-        "cluster)"
+        f"pipeline, K={r['n_stages']}, #Op={r['n_op']}, #Data={r['n_data']}"
     )
-    print(f"  w/o TeraPipe (GPipe): {r['latency_gpipe']:.4f} s")
-    print(f"  w/  TeraPipe (DP):    {r['latency_terapipe']:.4f} s  plan {r['plan']}")
-    print(f"  speedup {r['speedup']:.2f}x; TFLOPS per GPU {r['tflops_per_gpu']:.3f}")
+    rows = [
+        ("", "ours (simulated V100 cluster)", f"paper's reference (Table {t.table}, measured)"),
+        ("w/o TeraPipe (GPipe)", f"{r['latency_gpipe']:.4f} s", f"{g.latency:.3f} s"),
+        ("w/  TeraPipe (DP)", f"{r['latency_terapipe']:.4f} s", f"{t.latency:.3f} s"),
+        ("speedup", f"{r['speedup']:.2f}x", f"{r['paper_speedup']:.2f}x"),
+    ]
+    for name, ours, paper in rows:
+        print(f"  {name:<21} {ours:<30} {paper}")
+    print(f"  our plan:     {r['plan']}; TFLOPS per GPU {r['tflops_per_gpu']:.3f}")
+    print(f"  paper's plan: {t.scheme}")
     return 0
