@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tests.test_planner import compositions
+from tests.unit_costs import UnsplitCosts
 from tplib.plan import Plan
 from tplib.planner.zero_bubble import plan_zero_bubble, zero_bubble_latency
 from tplib.schedule import Action, Kind
@@ -69,12 +70,10 @@ MODELS = {"linear": ZeroBubbleCost(), "sublinear": ZeroBubbleCost(power=0.8)}
 FWD = 1 / 3  # the forward's share of a slice in the simulator
 
 
-class SplitCosts:
+class SplitCosts(UnsplitCosts):
     """The simulator's prices for the same model: F a third of the slice, B the rest
     (the simulator takes the unit's W off a split B), a unit's W its W(b, l), a whole
     sequence's W(b, L), free communication and update."""
-
-    blocking_sends = False
 
     def __init__(self, model: ZeroBubbleCost) -> None:
         self.model = model
@@ -92,15 +91,6 @@ class SplitCosts:
         b = action.b
         tokens = plan.seq_len if action.whole_sequence else plan.token_slices[b][action.t]
         return float(self.model.wgrad_time(plan.batch_slices[b], tokens))
-
-    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
-        return 0.0
-
-    def allreduce(self, stage: int) -> float:
-        return 0.0
-
-    def optimizer(self, stage: int) -> float:
-        return 0.0
 
 
 # ---- brute force ------------------------------------------------------------------------

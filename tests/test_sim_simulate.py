@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit_costs import UnsplitCosts
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.schedule import Action, Kind, Schedule, ScheduleError, make_schedule
@@ -326,34 +327,14 @@ def test_terapipe_zb_is_no_slower_than_terapipe(text: str, n_stages: int) -> Non
             assert zb < base  # stage 0 gets its gradients sooner
 
 
-class NoWeightGradCosts:
-    """ActionCosts that cannot price a W."""
-
-    blocking_sends = False
-
-    def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        return 1.0
-
-    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
-        return 0.0
-
-    def allreduce(self, stage: int) -> float:
-        return 0.0
-
-    def optimizer(self, stage: int) -> float:
-        return 0.0
-
-
 def test_split_schedules_need_split_backward_costs() -> None:
     plan = Plan.uniform(2, 16, n_token_slices=2)
     # Unsplit it simulates: 4 units, F and B 1 each, on 2 stages: (4 + 1) x 2.
-    assert simulate_schedule("terapipe", 2, plan, NoWeightGradCosts()).latency == pytest.approx(
-        10.0
-    )
+    assert simulate_schedule("terapipe", 2, plan, UnsplitCosts()).latency == pytest.approx(10.0)
     for name in ("terapipe-zb", "1f1b-zb"):
         with pytest.raises(ValueError, match="SplitBackwardCosts") as info:
-            simulate_schedule(name, 2, plan, NoWeightGradCosts())
-        assert "NoWeightGradCosts" in str(info.value)
+            simulate_schedule(name, 2, plan, UnsplitCosts())
+        assert "UnsplitCosts" in str(info.value)
     # A W dearer than its backward would leave B a negative time.
     with pytest.raises(ValueError, match="finite, non-negative"):
         simulate_schedule("terapipe-zb", 2, plan, ConstantCosts(1.0, 2.0, t_w=2.5))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices
 
-__all__ = ["ConstantCosts"]
+__all__ = ["ConstantCosts", "UnsplitCosts"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,24 @@ class ConstantCosts:
 
     def optimizer(self, stage: int) -> float:
         return self.t_optimizer
+
+
+class UnsplitCosts:
+    """The plainest :class:`~tplib.sim.costs.ActionCosts`: one second per forward and per
+    backward, communication, all-reduce and update free, and no price for a weight
+    gradient on its own (not :class:`~tplib.sim.costs.SplitBackwardCosts`). A test
+    subclasses it to price what it is about."""
+
+    blocking_sends = False
+
+    def compute(self, stage: int, action: Action, plan: Plan) -> float:
+        return 1.0
+
+    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
+        return 0.0
+
+    def allreduce(self, stage: int) -> float:
+        return 0.0
+
+    def optimizer(self, stage: int) -> float:
+        return 0.0
