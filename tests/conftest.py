@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.explorer_cases import write_profile
 from tplib.runtime import LocalPool
 
 try:
@@ -61,6 +62,12 @@ def pools() -> Iterator[Callable[[int], LocalPool]]:
     made = Pools()
     yield made
     made.close()
+
+
+@pytest.fixture(scope="session")
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The explorer tests' synthetic profile (tests/explorer_cases.py), written once."""
+    return write_profile(tmp_path_factory.mktemp("profile"))
 
 
 def code_copy(dest: Path, paths: Sequence[str]) -> Path:

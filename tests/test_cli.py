@@ -31,10 +31,11 @@ def _analytic(b: int, s: int, c: int) -> float:
     return b * (1e-3 + 2e-6 * s + (1e-4 + 1e-8 * s * c if c else 0.0))
 
 
-@pytest.fixture()
-def analytic_file(tmp_path: Path) -> Path:
-    """A profile of a known function: fast and deterministic for the error cases."""
-    path = tmp_path / "analytic.json"
+@pytest.fixture(scope="module")
+def analytic_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A profile of a known function: fast and deterministic for the error cases. Shared by
+    the module's tests: a test that edits it edits a copy."""
+    path = tmp_path_factory.mktemp("cli") / "analytic.json"
     build_profile(
         _analytic,
         config=get_config("tiny"),
@@ -125,8 +126,8 @@ def test_bad_profile_files(
 ) -> None:
     d = json.loads(analytic_file.read_text())
     d["times"][0][0] = float("nan")
-    analytic_file.write_text(json.dumps(d))
-    assert main(plan_args(analytic_file, "--stages", "2")) == 2
+    (tmp_path / "nan.json").write_text(json.dumps(d))
+    assert main(plan_args(tmp_path / "nan.json", "--stages", "2")) == 2
     assert "is nan: times must be finite" in capsys.readouterr().err
     assert main(plan_args(tmp_path / "missing.json", "--stages", "2")) == 2
     assert "error: cannot read profile" in capsys.readouterr().err
@@ -498,19 +499,6 @@ def check_bad_option(
     assert value in err or repr(value) in err or repr(value)[1:-1] in err, (value, err)
 
 
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cli") / "analytic.json"
-    build_profile(
-        _analytic,
-        config=get_config("tiny"),
-        layers_per_stage=1,
-        seq_len=64,
-        batch_slice_sizes=(1, 2),
-    ).save(path)
-    return path
-
-
 PROFILE = ["profile", "--model", "tiny", "--seq-len", "64", "--quiet", "--out", "unused.json"]
 PROFILE_OPTIONS = {
     "--model": "model", "--layers": "count", "--seq-len": "count", "--batch": "count",
@@ -537,12 +525,12 @@ SETTING_OPTIONS = {
 
 @FUZZ
 @given(st.data())
-def test_plan_refuses_bad_options(profile_file: Path, data: st.DataObject) -> None:
+def test_plan_refuses_bad_options(analytic_file: Path, data: st.DataObject) -> None:
     if data.draw(st.booleans()):
         base = [
             "plan",
             "--profile",
-            str(profile_file),
+            str(analytic_file),
             "--seq-len",
             "64",
             "--batch",

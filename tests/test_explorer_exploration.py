@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.explorer_cases import SMALL, write_profile
+from tests.explorer_cases import SMALL
 from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.scenario import Scenario, scenario_for_profile, scenario_for_setting
 from tplib.perfmodel import Profile
@@ -18,11 +18,6 @@ from tplib.planner import pipeline_latency
 @pytest.fixture(scope="module")
 def small() -> Exploration:
     return explore(scenario_for_setting(SMALL))
-
-
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_profile(tmp_path_factory.mktemp("profile"))
 
 
 def test_explore_plans_the_setting(small: Exploration) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import tplib.explorer.scenario as scenario_module
-from tests.explorer_cases import BASE, write_profile
+from tests.explorer_cases import BASE
 from tplib.cluster import ClusterCostModel, check_layout
 from tplib.explorer.scenario import (
     CLUSTER,
@@ -21,11 +21,6 @@ from tplib.explorer.scenario import (
 )
 from tplib.nn.configs import GPTConfig, get_config
 from tplib.perfmodel import Profile
-
-
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_profile(tmp_path_factory.mktemp("profile"))
 
 
 @pytest.mark.parametrize(
