@@ -9,6 +9,10 @@ process (fp32, 1e-5). The delays are the papers': 2BW 1, PipeDream K-1-k, vertic
 K-1. On more than one stage the same runs do *not* match the synchronous rule (delay 0),
 so the comparison can tell the rules apart. Each stage reports how many weight versions it
 held at once: PipeDream K-k on stage k, with vertical sync K, 2BW 2, a flushed 1F1B 1.
+
+Recomputation (2 and 4 stages, token slices) is checked the same way, and only it reads
+the weights a backward installs: without it autograd has kept the forward's own
+parameters, so a backward on the wrong version would go unseen.
 """
 
 from __future__ import annotations
@@ -168,3 +172,14 @@ def test_text_data_trains_the_same_rule(pools: Callable[[int], LocalPool]) -> No
     result = pools(run.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, "2bw")
     assert result.losses[0] > result.losses[-1]  # text, unlike random ids, is learnable
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_recomputation_matches_update_rule(
+    pools: Callable[[int], LocalPool], schedule: str, k: int
+) -> None:
+    # The recomputed forward must run on the unit's stashed version, not the latest.
+    run = _config(schedule, k, sliced=True, recompute="full")
+    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    _check(run, result, schedule)
