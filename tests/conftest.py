@@ -4,6 +4,8 @@ process pools the runtime tests share within a module."""
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -68,6 +70,41 @@ def pools() -> Iterator[Callable[[int], LocalPool]]:
 def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The explorer tests' synthetic profile (tests/explorer_cases.py), written once."""
     return write_profile(tmp_path_factory.mktemp("profile"))
+
+
+# What a fresh interpreter runs before a test's code: ``light(*packages)`` fails naming every
+# module of ``packages`` loaded so far.
+_LIGHT = """\
+import sys
+
+
+def light(*packages):
+    loaded = sorted(m for m in sys.modules if m.partition(".")[0] in packages)
+    assert not loaded, f"loaded {loaded}"
+
+
+"""
+
+
+def _fresh_python(code: str, timeout_s: float = 300) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _LIGHT + textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture()
+def fresh_python() -> Callable[..., str]:
+    """``fresh_python(code)``: ``code`` run by a new interpreter in the checkout, with
+    ``light(*packages)`` to check what it has imported so far (only a process that has
+    imported nothing else shows what an import costs a user); fails with its stderr unless
+    it exits 0, else returns its stdout."""
+    return _fresh_python
 
 
 def code_copy(dest: Path, paths: Sequence[str]) -> Path:

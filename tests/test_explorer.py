@@ -3,8 +3,7 @@ explore notebook run headless under papermill (about 15 s, most of it the kernel
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
@@ -35,11 +34,10 @@ def test_public_names_resolve() -> None:
         ("tplib.explorer", ["torch", "matplotlib", "seaborn", "ipywidgets"]),
     ],
 )
-def test_planning_imports_stay_light(module: str, heavy: list[str]) -> None:
-    code = f"import sys, {module}; print(sorted(set({heavy!r}) & set(sys.modules)))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "[]"
+def test_planning_imports_stay_light(
+    fresh_python: Callable[..., str], module: str, heavy: list[str]
+) -> None:
+    fresh_python(f"import {module}\nlight(*{heavy!r})")
 
 
 def test_notebook_runs_headless(tmp_path: Path) -> None:

@@ -4,28 +4,18 @@ it loads lazily, and the walk-through in its docstring runs as written."""
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 
 import tplib
-from tests.conftest import ROOT
 
 
 def _example() -> list[str]:
     doc = tplib.__doc__ or ""
     block = doc.split("::\n\n", 1)[1].split("\n\n", 1)[0]
     return textwrap.dedent(block).splitlines()
-
-
-def _run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def test_every_export_is_its_modules_object() -> None:
@@ -40,13 +30,15 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         _ = tplib.plan_slice
 
 
-def test_planning_and_simulating_through_the_facade_load_no_torch() -> None:
+def test_planning_and_simulating_through_the_facade_load_no_torch(
+    fresh_python: Callable[..., str],
+) -> None:
     lines = _example()
-    light = lines[: next(i for i, line in enumerate(lines) if "autoplan" in line)]
-    out = _run(
-        "import sys, tplib\n"
-        "assert 'numpy' not in sys.modules, 'import tplib loaded numpy'\n"
-        + "\n".join(light)
+    planning = lines[: next(i for i, line in enumerate(lines) if "autoplan" in line)]
+    out = fresh_python(
+        "import tplib\n"
+        'light("numpy")\n'
+        + "\n".join(planning)
         + "\nprint(tplib.simulate(schedule, costs).latency, 'torch' in sys.modules)"
     )
     latency, torch_loaded = out.split()
@@ -54,5 +46,5 @@ def test_planning_and_simulating_through_the_facade_load_no_torch() -> None:
 
 
 @pytest.mark.system
-def test_the_docstrings_walk_through_runs_as_written() -> None:
-    _run("import tplib\n" + "\n".join(_example()))
+def test_the_docstrings_walk_through_runs_as_written(fresh_python: Callable[..., str]) -> None:
+    fresh_python("import tplib\n" + "\n".join(_example()), timeout_s=600)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -201,23 +199,19 @@ def test_config_from_hf_rejects_other_models() -> None:
         config_from_hf(transformers.GPTJConfig())
 
 
-def test_importing_tplib_hf_needs_no_transformers() -> None:
+def test_importing_tplib_hf_needs_no_transformers(fresh_python: Callable[..., str]) -> None:
     """``import tplib.nn.hf`` works where transformers is missing (None in sys.modules makes
     its import fail), and loading then says how to install it."""
-    code = (
-        "import sys\n"
-        "import tplib.nn.hf\n"
-        "assert 'transformers' not in sys.modules, 'import tplib.nn.hf imported transformers'\n"
-        "sys.modules['transformers'] = None\n"
-        "try:\n"
-        "    tplib.nn.hf.load_gpt2('.')\n"
-        "except ImportError as e:\n"
-        "    print(e)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert "pip install 'tplib[hf]'" in out.stdout, out.stdout + out.stderr
+    out = fresh_python("""
+        import tplib.nn.hf
+        light("transformers")
+        sys.modules["transformers"] = None
+        try:
+            tplib.nn.hf.load_gpt2(".")
+        except ImportError as e:
+            print(e)
+    """)
+    assert "pip install 'tplib[hf]'" in out, out
 
 
 # ---- equivalence ----------------------------------------------------------------------------

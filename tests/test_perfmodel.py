@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,17 +316,17 @@ def test_planner_runs_on_a_loaded_profile(tmp_path: Path) -> None:
     assert p.latency == pytest.approx(pipeline_latency(p, loaded, 2))
 
 
-def test_planning_from_a_profile_does_not_import_torch() -> None:
+def test_planning_from_a_profile_does_not_import_torch(
+    fresh_python: Callable[..., str],
+) -> None:
     """The profile, its builder and the planner are torch-free; the timer's names load on
     first use."""
-    code = """
-import sys
-import tplib.perfmodel, tplib.planner
-assert "torch" not in sys.modules, "importing tplib.perfmodel loaded torch"
-tplib.perfmodel.StageTimer
-assert "torch" in sys.modules, "the timer loads on first use"
-"""
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    fresh_python("""
+        import tplib.perfmodel, tplib.planner
+        light("torch")
+        tplib.perfmodel.StageTimer
+        assert "torch" in sys.modules, "the timer loads on first use"
+    """)
 
 
 def test_weight_gradient_share_prices_whole_sequences() -> None:
