@@ -161,11 +161,11 @@ def test_schedule_memory_of_fill_drain_is_memory_per_gpu() -> None:
     what memory_per_gpu computes from the plan alone."""
     s = SETTINGS[9]
     tera = main_row(9, TERAPIPE).plan
-    sched = make_schedule("terapipe", s.n_stages, tera, check=False)
+    sched = make_schedule("terapipe", s.n_stages, tera, validate=False)
     got, _ = schedule_memory_per_gpu(s.config, sched, n_op=s.n_op)
     want = memory_per_gpu(s.config, n_stages=s.n_stages, n_op=s.n_op, plan=tera)
     assert got.total == pytest.approx(want.total, rel=1e-12)
-    gpipe = make_schedule("gpipe", s.n_stages, s.gpipe_plan(), check=False)
+    gpipe = make_schedule("gpipe", s.n_stages, s.gpipe_plan(), validate=False)
     got, _ = schedule_memory_per_gpu(s.config, gpipe, n_op=s.n_op, recompute="full")
     want = memory_per_gpu(
         s.config, n_stages=s.n_stages, n_op=s.n_op, plan=s.gpipe_plan(), recompute="full"

@@ -47,6 +47,11 @@ def _module(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(dotted: str, root: Path) -> bool:
+    path = root.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def imports(root: Path) -> Iterator[tuple[str, str]]:
     """Every (importing module, imported tplib module) pair under ``root/tplib``."""
     for path in sorted((root / "tplib").rglob("*.py")):
@@ -60,8 +65,14 @@ def imports(root: Path) -> Iterator[tuple[str, str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*up, base] if base else up)
-                # `from tplib import x` names a module x or a name of tplib/__init__.
-                targets = [f"{base}.{a.name}" for a in node.names] if base == "tplib" else [base]
+                # `from tplib import x` names a module x or a name of tplib/__init__;
+                # `from tplib.tables import findings` names the module findings.
+                targets = [
+                    f"{base}.{a.name}"
+                    if base == "tplib" or _is_module(f"{base}.{a.name}", root)
+                    else base
+                    for a in node.names
+                ]
             else:
                 continue
             for target in targets:
@@ -131,6 +142,21 @@ def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """The imports between the modules of each subpackage, its ``__init__`` standing for
+    the package: a module importing a name of its own package's ``__init__`` closes a
+    circle with it."""
+    graph: dict[str, set[str]] = {}
+    for source, target in imports(root):
+        if not _is_module(target, root):
+            continue
+        home = source if _is_module(f"{source}.__init__", root) else source.rpartition(".")[0]
+        there = target if _is_module(f"{target}.__init__", root) else target.rpartition(".")[0]
+        if home == there != "tplib" and source != target:
+            graph.setdefault(source, set()).add(target)
+    return graph
+
+
 def unlayered(root: Path) -> list[str]:
     return sorted(set(unit_graph(root)) - set(LAYER))
 
@@ -145,6 +171,10 @@ def test_imports_point_down() -> None:
 
 def test_no_circle_between_packages() -> None:
     assert circles(unit_graph(ROOT)) == []
+
+
+def test_no_circle_between_the_modules_of_a_package() -> None:
+    assert circles(module_graph(ROOT)) == []
 
 
 def test_the_readme_states_the_same_layers() -> None:
@@ -163,11 +193,24 @@ def test_the_checker_sees_an_upward_import_and_a_circle(tmp_path: Path) -> None:
         "plan.py": "from tplib.schedule.actions import Action\n",
         "schedule/__init__.py": "",
         "schedule/actions.py": "def f():\n    from tplib.plan import Plan\n",
+        "schedule/drawing.py": "from tplib.schedule import actions\n",
+        "schedule/engine.py": "def g():\n    from tplib.schedule.drawing import h\n",
+        "schedule/validate.py": "from tplib.schedule.engine import run\n",
+        "tables/__init__.py": "from tplib.tables.base import Table\n",
+        "tables/base.py": "from tplib.tables import MODES\n",
     }.items():
         (tmp_path / "tplib" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "tplib" / name).write_text(body)
     assert upward(tmp_path) == ["tplib.plan -> tplib.schedule.actions"]
     assert circles(unit_graph(tmp_path)) == [["plan", "schedule"]]
+    assert circles(module_graph(tmp_path)) == [["tplib.tables", "tplib.tables.base"]]
+    (tmp_path / "tplib/schedule/actions.py").write_text("from tplib.schedule.validate import v\n")
+    assert circles(module_graph(tmp_path))[0] == [
+        "tplib.schedule.actions",
+        "tplib.schedule.drawing",
+        "tplib.schedule.engine",
+        "tplib.schedule.validate",
+    ]
 
 
 def report(root: Path) -> str:
@@ -177,6 +220,8 @@ def report(root: Path) -> str:
     rings = circles(unit_graph(root))
     lines = [f"upward imports: {len(up)}", *(f"  {u}" for u in up)]
     lines += [f"circles between packages: {len(rings)}", *(f"  {' <-> '.join(c)}" for c in rings)]
+    rings = circles(module_graph(root))
+    lines += [f"circles inside packages: {len(rings)}", *(f"  {' <-> '.join(c)}" for c in rings)]
     lines += [f"unlayered units: {unlayered(root)}"]
     lines += [f"modules: {len(modules)}, largest: {sizes[-1][1]} ({sizes[-1][0]} lines)"]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from tplib.nn.oppart import shard_spec
 from tplib.plan import Plan
 from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
 from tplib.runtime.worker import Worker
-from tplib.schedule import ASYNC_SCHEDULES, SCHEDULES, Kind
+from tplib.schedule import Kind, registered, schedule_names
 
 from .conftest import Pools
 
@@ -302,7 +302,7 @@ def other_pools() -> Iterator[Callable[[int], LocalPool]]:
 
 
 def _determinism_config(schedule: str, seed: int = 0) -> RunConfig:
-    asynchronous = schedule in ASYNC_SCHEDULES
+    asynchronous = registered(schedule).asynchronous
     return RunConfig(
         model="tiny",
         schedule=schedule,
@@ -332,7 +332,7 @@ def _assert_identical(a: RunResult, b: RunResult, what: str) -> None:
 
 
 def test_determinism_covers_every_registered_schedule() -> None:
-    assert set(DETERMINISM) == set(SCHEDULES) | set(ASYNC_SCHEDULES)
+    assert set(DETERMINISM) == set(schedule_names())
 
 
 @pytest.mark.parametrize("schedule", list(DETERMINISM))

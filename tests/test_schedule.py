@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import tplib.schedule.generators as generators_module
 from tplib.plan import Plan
 from tplib.schedule import (
-    SCHEDULES,
+    REGISTRY,
     UPDATE,
     WHOLE_SEQUENCE,
     Action,
@@ -32,10 +32,13 @@ from tplib.schedule import (
     make_schedule,
     one_f_one_b,
     replay,
+    schedule_names,
     terapipe,
     validate,
 )
 from tplib.schedule.generators import one_f_one_b_zb, terapipe_zb
+
+SYNCHRONOUS = sorted(schedule_names(asynchronous=False))
 
 PLANS = [
     Plan.from_paper("[(1, [8])]"),
@@ -96,7 +99,7 @@ def assert_caught(s: Schedule, marked: str, *words: str) -> ScheduleError:
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 @pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_generators_validate(name: str, n_stages: int, plan: Plan) -> None:
     if name == "gpipe" and any(plan.n_token_slices(b) > 1 for b in range(plan.n_batch_slices)):
         with pytest.raises(ValueError, match="use 'terapipe'"):
@@ -110,7 +113,7 @@ def test_generators_validate(name: str, n_stages: int, plan: Plan) -> None:
 @settings(max_examples=60, deadline=None)
 @given(plan=plans(), n_stages=st.integers(1, 4), name=st.sampled_from(["terapipe", "1f1b"]))
 def test_random_plans_validate(plan: Plan, n_stages: int, name: str) -> None:
-    validate(SCHEDULES[name](n_stages, plan))
+    validate(REGISTRY[name].generator(n_stages, plan))
 
 
 @settings(max_examples=30, deadline=None)
@@ -191,7 +194,7 @@ def test_docstring_tables_match_generators() -> None:
     plan = Plan.from_paper("[(1, [2, 2])] * 3")
     doc = generators_module.__doc__ or ""
     for name in ("terapipe", "1f1b"):
-        assert textwrap.indent(draw_schedule(SCHEDULES[name](2, plan)), "    ") in doc
+        assert textwrap.indent(draw_schedule(REGISTRY[name].generator(2, plan)), "    ") in doc
 
 
 # ---- errors from generators --------------------------------------------------------------
@@ -205,11 +208,11 @@ def test_gpipe_rejects_token_slices() -> None:
 def test_unknown_schedule_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="zero-bubble") as info:
         make_schedule("zero-bubble", 2, PLANS[0])
-    for name in SCHEDULES:
+    for name in schedule_names():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_stage_count_must_be_positive(name: str) -> None:
     with pytest.raises(ValueError, match="n_stages"):
         make_schedule(name, 0, PLANS[0])
@@ -222,7 +225,7 @@ def test_add_communication_wants_no_communication() -> None:
         add_communication(terapipe(2, PLANS[0]))
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_every_stage_ends_with_its_update(name: str) -> None:
     s = make_schedule(name, 3, PLANS[2])
     for k, acts in enumerate(s.actions):
@@ -392,7 +395,7 @@ def test_action_rejects_bad_text() -> None:
         Action(Kind.F, 0, -1, 0)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_csv_round_trip_buffer(name: str) -> None:
     plan = Plan((1, 2), ((8,), (8,)), latency=1.25, t_max=0.1, eps=1e-3)
     s = make_schedule(name, 3, plan)
@@ -481,7 +484,7 @@ def test_zero_bubble_csv_round_trip(name: str) -> None:
 def test_zero_bubble_schedules_validate(name: str, n_stages: int, plan: Plan) -> None:
     s = make_schedule(name, n_stages, plan)
     assert s.split_backward and not make_schedule(name.removesuffix("-zb"), 1, plan).split_backward
-    base = SCHEDULES[name.removesuffix("-zb")](n_stages, plan)
+    base = REGISTRY[name.removesuffix("-zb")].generator(n_stages, plan)
     for k in range(n_stages):
         # The forwards and backwards are the unsplit schedule's, in its order ...
         assert compute(s, k) == compute(base, k)
@@ -495,7 +498,7 @@ def test_zero_bubble_schedules_validate(name: str, n_stages: int, plan: Plan) ->
 @settings(max_examples=60, deadline=None)
 @given(plan=plans(), n_stages=st.integers(1, 4), name=st.sampled_from(ZB_NAMES))
 def test_random_plans_validate_under_zero_bubble(plan: Plan, n_stages: int, name: str) -> None:
-    validate(SCHEDULES[name](n_stages, plan))
+    validate(REGISTRY[name].generator(n_stages, plan))
 
 
 def test_terapipe_zb_exact() -> None:

@@ -12,16 +12,15 @@ import pytest
 
 from tplib.plan import Plan
 from tplib.schedule import (
-    ASYNC_SCHEDULES,
     COMMUNICATION,
     RECEIVES,
-    SCHEDULES,
     SENDS,
     Action,
     Kind,
     Schedule,
     ScheduleError,
     make_schedule,
+    schedule_names,
 )
 from tplib.schedule.drawing import unit_cost
 from tplib.schedule.nccl import check_nccl, posting_plan, run_nccl
@@ -33,7 +32,7 @@ PLANS = [
     Plan((1, 1), ((5, 11), (2, 6, 8))),
     Plan((2, 1, 1), ((1, 15), (16,), (4, 4, 8))),
 ]
-ALL = sorted(SCHEDULES) + sorted(ASYNC_SCHEDULES)
+ALL = schedule_names()
 
 
 def _schedules(name: str) -> list[Schedule]:

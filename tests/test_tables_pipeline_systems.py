@@ -21,15 +21,8 @@ from tplib.plan import Plan
 from tplib.schedule import make_schedule
 from tplib.tables import TIMING_COLUMNS, Rows, run_table
 from tplib.tables.base import TableResult
-from tplib.tables.pipeline_systems import (
-    SYSTEMS,
-    TABLE,
-    delay,
-    infeasible,
-    save_tables,
-    simulated_systems,
-    system_plan,
-)
+from tplib.tables.pipeline_systems import TABLE, save_tables, simulated_systems
+from tplib.tables.systems import SYSTEMS, delay, infeasible, system_plan
 from tplib.tables.systems_figures import simulated_findings, systems_figure
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from tplib.nn.configs import (
 from tplib.nn.layer_ranges import StageRange, balanced_stages, check_stage_ranges
 from tplib.nn.lr import LR_SCHEDULES, LRSchedule
 from tplib.plan import Plan
-from tplib.schedule import ASYNC_SCHEDULES, Schedule, make_schedule
+from tplib.schedule import Schedule, make_schedule, schedule_names
 from tplib.schedule.nccl import PostingPlan, check_nccl, posting_plan
 
 __all__ = [
@@ -251,7 +251,7 @@ class RunConfig:
 
     def _check_size(self, units: int) -> None:
         """Refuse a schedule too large to build (see :data:`MAX_UNIT_STAGES`)."""
-        asynchronous = isinstance(self.schedule, str) and self.schedule in ASYNC_SCHEDULES
+        asynchronous = self.schedule in schedule_names(asynchronous=True)
         spans = self.warmup + self.steps if asynchronous else 1
         if units * self.n_stages * spans > MAX_UNIT_STAGES:
             raise ValueError(

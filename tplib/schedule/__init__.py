@@ -4,12 +4,14 @@
 module            what it holds
 ================  ===================================================================
 ``actions``       :class:`Kind`, :class:`Action`, :class:`Schedule` (and its CSV form)
-``generators``    ``gpipe``, ``terapipe``, ``1f1b`` and the passes that complete them
+``passes``        the passes that complete a generator's order, the 1F1B order
+``generators``    ``gpipe``, ``terapipe``, ``1f1b`` and their zero-bubble forms
 ``asynchronous``  ``pipedream``, ``2bw``: many iterations, no flush, weight versions
+``registry``      every schedule by name, :func:`make_schedule`
 ``engine``        the event engine: when each action runs, given durations
 ``nccl``          NCCL's rendezvous messages: the runtime's posting plan, its replay
 ``validate``      :func:`validate` and :func:`replay`
-``grid``          :func:`draw_schedule`, the stage x step drawing errors print
+``drawing``       :func:`draw_schedule`, the stage x step drawing errors print
 ================  ===================================================================
 
 Plain Python: the runtime interprets these schedules, the simulator replays them with
@@ -34,35 +36,35 @@ from tplib.schedule.actions import (
     covered_slices,
     parse_kind,
 )
-from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, pipedream, two_bw
+from tplib.schedule.asynchronous import held_versions, pipedream, two_bw
 from tplib.schedule.drawing import draw_schedule
 from tplib.schedule.engine import TimedAction, link_of
-from tplib.schedule.generators import (
-    SCHEDULES,
-    add_communication,
-    add_update,
-    gpipe,
+from tplib.schedule.generators import gpipe, one_f_one_b, terapipe
+from tplib.schedule.passes import add_communication, add_update
+from tplib.schedule.registry import (
+    REGISTRY,
+    RegisteredSchedule,
     make_schedule,
-    one_f_one_b,
-    terapipe,
+    registered,
+    schedule_names,
 )
 from tplib.schedule.validate import replay, validate
 
 __all__ = [
-    "ASYNC_SCHEDULES",
     "COMMUNICATION",
     "COMPUTE",
     "LOCAL_WORK",
     "NO_UNIT",
     "NO_VERSION",
     "RECEIVES",
-    "SCHEDULES",
+    "REGISTRY",
     "SENDS",
     "UPDATE",
     "WHOLE_SEQUENCE",
     "WORK",
     "Action",
     "Kind",
+    "RegisteredSchedule",
     "Schedule",
     "ScheduleError",
     "TimedAction",
@@ -77,7 +79,9 @@ __all__ = [
     "one_f_one_b",
     "parse_kind",
     "pipedream",
+    "registered",
     "replay",
+    "schedule_names",
     "terapipe",
     "two_bw",
     "validate",

@@ -240,10 +240,10 @@ class Schedule:
         return tuple(a for a in self.actions[stage] if a.kind in COMPUTE)
 
     def __str__(self) -> str:
-        # Imported here: the grid module draws schedules, so it imports this one.
-        from tplib.schedule.drawing import draw_schedule
-
-        return f"{self.name} on {self.n_stages} stages, plan {self.plan}\n{draw_schedule(self)}"
+        # Each stage's list in the compact form, as it is: the timed stage x step grid
+        # needs the event engine, which builds on this module (tplib.schedule.drawing).
+        rows = (f"stage {k} | {', '.join(map(str, acts))}" for k, acts in enumerate(self.actions))
+        return "\n".join((f"{self.name} on {self.n_stages} stages, plan {self.plan}", *rows))
 
     # ---- CSV -------------------------------------------------------------------------
 

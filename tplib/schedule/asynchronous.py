@@ -29,11 +29,9 @@ from collections.abc import Callable, Sequence
 
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import NO_VERSION, Action, Kind, Schedule
-from tplib.schedule.generators import add_communication, one_f_one_b_order
+from tplib.schedule.passes import Order, add_communication, one_f_one_b_order
 
-__all__ = ["ASYNC_SCHEDULES", "held_versions", "pipedream", "repeat_plan", "two_bw"]
-
-Order = list[tuple[Kind, Unit]]
+__all__ = ["held_versions", "min_microbatches", "pipedream", "repeat_plan", "two_bw"]
 
 
 def repeat_plan(plan: Plan, n_iterations: int) -> Plan:
@@ -195,9 +193,3 @@ def held_versions(schedule: Schedule) -> tuple[int, ...]:
             most = max(most, 1 + len(stashed))
         out.append(most)
     return tuple(out)
-
-
-ASYNC_SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "pipedream": pipedream,
-    "2bw": two_bw,
-}

@@ -1,10 +1,10 @@
 """Schedule generators: short pure functions ``(n_stages, plan) -> Schedule``.
 
 Each generator places the compute actions (``F``, ``B``) of one iteration. Two passes
-then complete it: :func:`add_communication` inserts the sends and receives around them,
-and :func:`add_update` ends every stage with its gradient all-reduce (``AR``) and
-optimizer step (``OPT``), so the schedule describes the whole iteration.
-:func:`make_schedule` builds a registered schedule and validates it.
+(:mod:`tplib.schedule.passes`) then complete it: ``add_communication`` inserts the sends
+and receives around them, and ``add_update`` ends every stage with its gradient
+all-reduce (``AR``) and optimizer step (``OPT``), so the schedule describes the whole
+iteration. :func:`tplib.schedule.registry.make_schedule` builds one by name and validates it.
 
 Clock cycles of ``terapipe`` on K=2 stages for the plan ``[(1, [2, 2])] * 3`` (three
 batch slices of one sequence, each cut into two token slices), one step per compute
@@ -28,25 +28,11 @@ slice by batch slice, so a stage holds at most three units' activations, not six
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-
 from tplib.plan import Plan, Unit
-from tplib.schedule.actions import COMPUTE, UPDATE, WHOLE_SEQUENCE, Action, Kind, Schedule
-from tplib.schedule.validate import validate
+from tplib.schedule.actions import WHOLE_SEQUENCE, Action, Kind, Schedule
+from tplib.schedule.passes import Order, add_communication, add_update, one_f_one_b_order
 
-__all__ = [
-    "SCHEDULES",
-    "add_communication",
-    "add_update",
-    "gpipe",
-    "make_schedule",
-    "one_f_one_b",
-    "one_f_one_b_order",
-    "one_f_one_b_zb",
-    "terapipe",
-    "terapipe_zb",
-]
+__all__ = ["gpipe", "one_f_one_b", "one_f_one_b_zb", "terapipe", "terapipe_zb"]
 
 
 def _check_stages(n_stages: int) -> None:
@@ -54,9 +40,7 @@ def _check_stages(n_stages: int) -> None:
         raise ValueError(f"n_stages={n_stages}: a pipeline needs at least one stage")
 
 
-def _complete(
-    name: str, n_stages: int, plan: Plan, orders: list[list[tuple[Kind, Unit]]]
-) -> Schedule:
+def _complete(name: str, n_stages: int, plan: Plan, orders: list[Order]) -> Schedule:
     """The schedule whose stage k runs the compute actions ``orders[k]``, completed by
     the communication and update passes."""
     acts = tuple(
@@ -65,7 +49,7 @@ def _complete(
     return add_update(add_communication(Schedule(name, n_stages, plan, acts)))
 
 
-def _fill_drain_order(plan: Plan) -> list[tuple[Kind, Unit]]:
+def _fill_drain_order(plan: Plan) -> Order:
     """Every forward in plan order, then every backward in reverse."""
     fwd = list(plan.units())
     # Reversing the forward order runs each sequence's token slices last-to-first, which
@@ -134,28 +118,6 @@ def one_f_one_b(n_stages: int, plan: Plan) -> Schedule:
     return _complete("1f1b", n_stages, plan, orders)
 
 
-def one_f_one_b_order(k: int, n_stages: int, plan: Plan) -> list[tuple[Kind, Unit]]:
-    """Stage k's forwards and backwards under 1F1B (see :func:`one_f_one_b`)."""
-    fwd = list(plan.units())
-    bwd = [
-        Unit(b, t)
-        for b in range(plan.n_batch_slices)
-        for t in reversed(range(plan.n_token_slices(b)))
-    ]
-    index = {u: i for i, u in enumerate(fwd)}
-    warmup = min(n_stages - k - 1 + plan.n_token_slices(0) - 1, len(fwd))
-    order = [(Kind.F, u) for u in fwd[:warmup]]
-    n_fwd = warmup
-    for u in bwd:
-        # One forward per backward in the steady state; more if u's own forward is
-        # still ahead (a later batch slice with more token slices than the first).
-        target = max(min(n_fwd + 1, len(fwd)), index[u] + 1)
-        order += [(Kind.F, v) for v in fwd[n_fwd:target]]
-        n_fwd = target
-        order.append((Kind.B, u))
-    return order
-
-
 def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
     """Sequence-level 1F1B with split backwards: the forwards and input-gradient
     backwards (``B``) of ``1f1b``, in its order; each sequence's weight gradients as one
@@ -179,7 +141,7 @@ def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
     """
     _check_stages(n_stages)
     queues = [one_f_one_b_order(k, n_stages, plan) for k in range(n_stages)]
-    orders: list[list[tuple[Kind, Unit]]] = [[] for _ in range(n_stages)]
+    orders: list[Order] = [[] for _ in range(n_stages)]
     pending: list[list[int]] = [[] for _ in range(n_stages)]  # sequences awaiting their W
     finished: dict[tuple[Kind, int, Unit], float] = {}  # (kind, stage, unit) -> end step
     clock = [0.0] * n_stages
@@ -210,86 +172,3 @@ def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
         if kind is Kind.B and u.t == 0:
             pending[k].append(u.b)
     return _complete("1f1b-zb", n_stages, plan, orders)
-
-
-def add_communication(schedule: Schedule) -> Schedule:
-    """Insert sends and receives around a compute-only schedule's actions: RA before
-    each F on stages k > 0, SA after each F on stages k < K-1, RG before each B on
-    stages k < K-1, SG after each B on stages k > 0."""
-    last = schedule.n_stages - 1
-    stages = []
-    for k, acts in enumerate(schedule.actions):
-        out: list[Action] = []
-        for a in acts:
-            if a.kind not in COMPUTE:
-                if a.kind in UPDATE or a.kind is Kind.W:
-                    # An asynchronous schedule's updates stay in place; W is local.
-                    out.append(a)
-                    continue
-                raise ValueError(
-                    f"add_communication got {a} on stage {k}: it expects a schedule of "
-                    "forwards, backwards, weight gradients and updates"
-                )
-            forward = a.kind is Kind.F
-            before, after = (Kind.RA, Kind.SA) if forward else (Kind.RG, Kind.SG)
-            has_before = k > 0 if forward else k < last
-            has_after = k < last if forward else k > 0
-            if has_before:
-                out.append(Action(before, k, a.b, a.t))
-            out.append(a)
-            if has_after:
-                out.append(Action(after, k, a.b, a.t))
-        stages.append(tuple(out))
-    return replace(schedule, actions=tuple(stages))
-
-
-def add_update(schedule: Schedule) -> Schedule:
-    """End every stage with its gradient all-reduce (``AR``) and optimizer step (``OPT``):
-    a synchronous schedule updates the weights once, after the iteration's last backward."""
-    stages = tuple(
-        (*acts, Action(Kind.AR, k), Action(Kind.OPT, k)) for k, acts in enumerate(schedule.actions)
-    )
-    return replace(schedule, actions=stages)
-
-
-SCHEDULES: dict[str, Callable[[int, Plan], Schedule]] = {
-    "gpipe": gpipe,
-    "terapipe": terapipe,
-    "1f1b": one_f_one_b,
-    "terapipe-zb": terapipe_zb,
-    "1f1b-zb": one_f_one_b_zb,
-}
-
-
-def make_schedule(
-    name: str,
-    n_stages: int,
-    plan: Plan,
-    *,
-    n_iterations: int = 1,
-    vertical_sync: bool = False,
-    check: bool = True,
-) -> Schedule:
-    """Build the schedule registered as ``name`` and (``check``) validate it. A
-    synchronous schedule is one iteration of ``plan``; an asynchronous one
-    (:data:`tplib.schedule.asynchronous.ASYNC_SCHEDULES`) spans ``n_iterations`` of them,
-    and ``vertical_sync`` is PipeDream's option."""
-    # Imported here: the asynchronous generators build on this module's passes.
-    from tplib.schedule.asynchronous import ASYNC_SCHEDULES
-
-    known = sorted(SCHEDULES) + sorted(ASYNC_SCHEDULES)
-    if name not in known:
-        raise ValueError(f"unknown schedule {name!r}: known schedules are {known}")
-    if vertical_sync and name != "pipedream":
-        raise ValueError(
-            f"vertical_sync=True with schedule {name!r}: vertical sync chooses among the "
-            "weight versions PipeDream stashes; only 'pipedream' has versions to choose from"
-        )
-    if name in ASYNC_SCHEDULES:
-        options = {"vertical_sync": True} if vertical_sync else {}
-        schedule = ASYNC_SCHEDULES[name](n_stages, plan, n_iterations, **options)
-    else:
-        schedule = SCHEDULES[name](n_stages, plan)
-    if check:
-        validate(schedule)
-    return schedule

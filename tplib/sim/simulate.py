@@ -40,7 +40,6 @@ import pandas as pd
 from tplib.plan import Plan
 from tplib.schedule import (
     RECEIVES,
-    SCHEDULES,
     SENDS,
     UPDATE,
     WORK,
@@ -305,13 +304,18 @@ def simulate(
 
 
 def simulate_schedule(
-    schedule: str, n_stages: int, plan: Plan, costs: ActionCosts, *, validate: bool = True
+    schedule: str,
+    n_stages: int,
+    plan: Plan,
+    costs: ActionCosts,
+    *,
+    n_iterations: int = 1,
+    validate: bool = True,
 ) -> SimResult:
-    """Build the registered schedule named ``schedule`` for ``plan`` and :func:`simulate` it. ``validate=False``
-    skips :func:`tplib.schedule.validate` (pure Python, tens of microseconds per action:
-    seconds for 100k-action schedules); the generators have their own tests, and the
-    replay still raises on a deadlock."""
-    made = (
-        make_schedule(schedule, n_stages, plan) if validate else SCHEDULES[schedule](n_stages, plan)
-    )
+    """Build the registered schedule named ``schedule`` for ``plan`` (an asynchronous one
+    over ``n_iterations`` iterations) and :func:`simulate` it. ``validate=False`` skips
+    :func:`tplib.schedule.validate` (pure Python, tens of microseconds per action: seconds
+    for 100k-action schedules); the generators have their own tests, and the replay still
+    raises on a deadlock."""
+    made = make_schedule(schedule, n_stages, plan, n_iterations=n_iterations, validate=validate)
     return simulate(made, costs)

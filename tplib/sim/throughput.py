@@ -37,8 +37,7 @@ import numpy as np
 import pandas as pd
 
 from tplib.plan import Plan
-from tplib.schedule import Kind, Schedule, make_schedule
-from tplib.schedule.asynchronous import ASYNC_SCHEDULES
+from tplib.schedule import Kind, Schedule, make_schedule, registered
 from tplib.sim.costs import ActionCosts
 from tplib.sim.simulate import SimResult, simulate
 
@@ -205,11 +204,11 @@ def steady_state(
     module docstring): one simulated iteration when it is synchronous, N of them
     (:func:`steady_window`) when it is asynchronous. ``validate`` checks the schedule
     first (slow on big ones: the generators have their own tests)."""
-    if name not in ASYNC_SCHEDULES:
-        schedule = make_schedule(name, n_stages, plan, check=validate)
+    if not registered(name).asynchronous:
+        schedule = make_schedule(name, n_stages, plan, validate=validate)
         return steady_from_schedule(schedule, costs)
     n, a, b = steady_window(n_stages, plan, window)
     schedule = make_schedule(
-        name, n_stages, plan, n_iterations=n, vertical_sync=vertical_sync, check=validate
+        name, n_stages, plan, n_iterations=n, vertical_sync=vertical_sync, validate=validate
     )
     return steady_from_schedule(schedule, costs, (a, b))

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +59,12 @@ from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.measure.options import TABLE_MODEL, Profiling
 from tplib.paper import GPIPE, TERAPIPE, Setting, main_row, setting
 from tplib.plan import Plan
-from tplib.schedule import NO_VERSION, Kind, Schedule, make_schedule
-from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions, min_microbatches
+from tplib.schedule import held_versions, make_schedule
 from tplib.search.setting import EPS, paper_flops, plan_terapipe, setting_fields
 from tplib.sim.simulate import simulate as simulate_schedule
 from tplib.sim.throughput import steady_of, steady_window
 from tplib.tables.base import Comparison, Rows, Table, TableMode, TableResult
+from tplib.tables.systems import SYSTEMS, System, check_systems, delay, infeasible, system_plan
 from tplib.tables.systems_figures import (
     measured_figure,
     measured_findings,
@@ -74,84 +73,11 @@ from tplib.tables.systems_figures import (
 )
 from tplib.util.files import write_csv
 
-__all__ = [
-    "DEFAULT_SETTINGS",
-    "SYSTEMS",
-    "TABLE",
-    "System",
-    "delay",
-    "measure",
-    "save_tables",
-    "simulate",
-    "simulated_systems",
-    "system_plan",
-]
+__all__ = ["DEFAULT_SETTINGS", "TABLE", "measure", "save_tables", "simulate", "simulated_systems"]
 
 GIB = 2**30
 Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
 DEFAULT_SETTINGS = (3, 5, 8, 9)  # one per model: GPT3-1B, 13B, 44B, 175B
-
-
-@dataclass(frozen=True)
-class System:
-    """A pipeline system: a schedule, the plan it runs (``"microbatches"`` of one
-    sequence, the ``"minibatch"`` as one batch slice, or the ``"terapipe"`` DP plan)
-    and the recomputation."""
-
-    name: str
-    schedule: str
-    plan: str
-    recompute: str = "none"
-
-
-SYSTEMS: dict[str, System] = {
-    s.name: s
-    for s in (
-        System("GPipe", "gpipe", "microbatches"),
-        System("GPipe+recompute", "gpipe", "microbatches", "full"),
-        System("PipeDream", "pipedream", "minibatch"),
-        System("PipeDream-Flush", "1f1b", "microbatches"),
-        System("PipeDream-2BW", "2bw", "microbatches"),
-        System("TeraPipe", "terapipe", "terapipe"),
-        System("TeraPipe+1F1B", "1f1b", "terapipe"),
-        System("TeraPipe+2BW", "2bw", "terapipe"),
-    )
-}
-
-
-def system_plan(system: System, batch: int, seq_len: int, terapipe: Plan) -> Plan:
-    """The plan ``system`` runs for ``batch`` sequences of ``seq_len`` tokens per
-    iteration; ``terapipe`` is the DP's."""
-    if system.plan == "microbatches":
-        return Plan.gpipe(batch, seq_len, microbatch=1)
-    if system.plan == "minibatch":
-        return Plan((batch,), ((seq_len,),))
-    return terapipe
-
-
-def delay(schedule: Schedule) -> int:
-    """The most updates a forward's weights lag behind its iteration's: 0 for the
-    synchronous schedules, 1 for 2BW, K-1 for PipeDream (stage 0)."""
-    lags = [
-        schedule.iteration_of(a.b) - a.v
-        for acts in schedule.actions
-        for a in acts
-        if a.kind is Kind.F and a.v != NO_VERSION
-    ]
-    return max(lags, default=0)
-
-
-def infeasible(system: System, n_stages: int, plan: Plan) -> str:
-    """Why ``system`` cannot run ``plan`` on ``n_stages`` stages ("" when it can)."""
-    if system.schedule != "2bw":
-        return ""
-    need = min_microbatches(n_stages, plan.token_slices[0])
-    if plan.n_batch_slices >= need:
-        return ""
-    return (
-        f"2BW needs m >= {need} microbatches of {len(plan.token_slices[0])} token slices per "
-        f"iteration on {n_stages} stages; this batch has {plan.n_batch_slices}"
-    )
 
 
 def _cost(s: Setting, recompute: str, calibration: Calibration) -> ClusterCostModel:
@@ -180,10 +106,10 @@ def simulate_system(
         return row | {"feasible": False, "note": why}
     cost = _cost(s, system.recompute, calibration)
     n_iterations = 1
-    if system.schedule in ASYNC_SCHEDULES:
+    if system.asynchronous:
         n_iterations, a, b = steady_window(s.n_stages, plan, window)
     schedule = make_schedule(
-        system.schedule, s.n_stages, plan, n_iterations=n_iterations, check=False
+        system.schedule, s.n_stages, plan, n_iterations=n_iterations, validate=False
     )
     window_ab = None if n_iterations == 1 else (a, b)
     steady = steady_of(schedule, simulate_schedule(schedule, cost), window_ab, cost.blocking_sends)
@@ -230,9 +156,7 @@ def simulated_systems(
     V100-cluster model (see the module docstring): steady-state time per iteration,
     sequences/s (all replicas), TFLOPS per GPU, the steady bubble, the busiest GPU's
     memory and weight versions, and ``speedup_vs_gpipe``."""
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise ValueError(f"unknown systems {unknown}: choose from {list(SYSTEMS)}")
+    check_systems(systems)
     rows = []
     jobs = [(n, name) for n in settings for name in systems]
     plans: dict[int, Plan] = {}

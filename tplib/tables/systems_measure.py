@@ -3,7 +3,7 @@ simulator, and how fast each lowers the loss on real text.
 
 :func:`measured_systems` profiles the stages of a small model as ``n_stages`` local
 processes (:mod:`tplib.measure.harness`), runs every system of
-:data:`~tplib.tables.pipeline_systems.SYSTEMS` on the runtime and reads its
+:data:`~tplib.tables.systems.SYSTEMS` on the runtime and reads its
 steady-state time per iteration the way :mod:`tplib.sim.throughput` reads the simulator's:
 the median flushed iteration of a synchronous schedule, the slope of the update times
 in the trace of an asynchronous one (over the same window as the simulation, clear of
@@ -34,12 +34,11 @@ from tqdm.auto import tqdm
 
 from tplib.measure.options import Profiling, grid
 from tplib.plan import Plan
-from tplib.schedule import Action, Kind
-from tplib.schedule.asynchronous import ASYNC_SCHEDULES, held_versions
+from tplib.schedule import Action, Kind, held_versions
 from tplib.sim.costs import ActionCosts
 from tplib.sim.throughput import slope, steady_of, steady_window, update_ends
 from tplib.tables.base import Rows
-from tplib.tables.pipeline_systems import SYSTEMS, delay, infeasible, system_plan
+from tplib.tables.systems import SYSTEMS, check_systems, delay, infeasible, system_plan
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool
@@ -107,7 +106,7 @@ def measured_systems(
     wide)."""
     from tplib.measure.harness import measured_bench  # starts processes: torch
 
-    _check(systems)
+    check_systems(systems)
     tera = Plan.uniform(batch, seq_len, n_token_slices=n_slices)
     plans = {name: system_plan(SYSTEMS[name], batch, seq_len, tera) for name in systems}
     # Profile every batch-slice size a plan runs (PipeDream's minibatch is the batch).
@@ -141,7 +140,7 @@ def measured_systems(
                 costs = RecomputeCosts(costs)
             options: dict[str, Any] = {"grad_clip": 0.0, "recompute": system.recompute}
             window = None
-            if system.schedule in ASYNC_SCHEDULES:
+            if system.asynchronous:
                 n, a, b = steady_window(n_stages, p, window=iters)
                 options |= {"warmup": 0, "steps": n}
                 window = (a, b)
@@ -210,7 +209,7 @@ def statistical_efficiency(
     schedules cannot clip the global norm)."""
     from tplib.runtime import LocalPool, RunConfig  # starts processes: torch
 
-    _check(systems)
+    check_systems(systems)
     if steps < 1 or smooth < 1:
         raise ValueError(f"steps={steps}, smooth={smooth}: both must be positive")
     overrides = dict(
@@ -277,9 +276,3 @@ def measure_rows(
         df["final_loss"] = df["system"].map(last.groupby("system")["loss"].mean())
         extras["loss"] = loss
     return Rows(df, extras)
-
-
-def _check(systems: Sequence[str]) -> None:
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise ValueError(f"unknown systems {unknown}: choose from {list(SYSTEMS)}")
