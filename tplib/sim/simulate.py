@@ -54,7 +54,6 @@ from tplib.sim.costs import ActionCosts, SliceCostModel, SplitBackwardCosts, mem
 
 __all__ = [
     "TIMELINE_COLUMNS",
-    "ConstantCosts",
     "SimResult",
     "SliceModelCosts",
     "action_cost",
@@ -65,38 +64,6 @@ __all__ = [
 ]
 
 TIMELINE_COLUMNS = ("rank", "stage", "replica", "kind", "b", "t", "start", "end")
-
-
-@dataclass(frozen=True)
-class ConstantCosts:
-    """The same cost for every unit: ``t_f`` per forward, ``t_b`` per backward, ``t_send``
-    per message on the link, ``t_recv`` per receive, plus a per-stage all-reduce and
-    optimizer step. The simplest :class:`~tplib.sim.costs.ActionCosts`, for tests and
-    back-of-envelope use."""
-
-    t_f: float = 1.0
-    t_b: float = 2.0
-    t_send: float = 0.0
-    t_recv: float = 0.0
-    t_allreduce: float = 0.0
-    t_optimizer: float = 0.0
-    blocking_sends: bool = False
-    t_w: float = 1.0  # the weight gradients' part of t_b, per token slice, fused or not
-
-    def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        return self.t_f if action.kind is Kind.F else self.t_b
-
-    def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
-        return self.t_w * len(covered_slices(plan, action.b, action.t))
-
-    def transfer(self, stage: int, action: Action, plan: Plan) -> float:
-        return self.t_send if action.kind in SENDS else self.t_recv
-
-    def allreduce(self, stage: int) -> float:
-        return self.t_allreduce
-
-    def optimizer(self, stage: int) -> float:
-        return self.t_optimizer
 
 
 @dataclass(frozen=True)
