@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 
-from tplib.runtime import RunConfig, launch
+from tplib.runtime import Data, Parallelism, RunConfig, Timing, launch
 from tplib.runtime.runconfig import Hooks
 
 
@@ -39,14 +39,11 @@ def main() -> None:
     runs = {
         name: RunConfig(
             model=args.model,
-            schedule=name,
-            n_stages=args.stages,
-            batch=args.batch,
-            seq_len=args.seq_len,
+            schedule_name=name,
+            parallelism=Parallelism(n_stages=args.stages),
+            data=Data(batch=args.batch, seq_len=args.seq_len),
             slicing=1 if name == "gpipe" else args.slices,
-            steps=args.iters,
-            warmup=1,
-            timeout_s=600,
+            timing=Timing(steps=args.iters, warmup=1, timeout_s=600),
         )
         for name in args.schedules
     }

@@ -57,7 +57,11 @@ def test_autoplan_writes_the_best_layouts_run(
     printed = capsys.readouterr().out
     assert "torchrun --nnodes 48 --nproc-per-node 8" in printed and str(out) in printed
     run = load_run_config(out)
-    assert run.world_size == 384 and run.steps == 3 and run.schedule == "terapipe"
+    assert (
+        run.parallelism.world_size == 384
+        and run.timing.steps == 3
+        and run.schedule_name == "terapipe"
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from tplib.nn.model import build_model
 from tplib.nn.optimizer import make_optimizer
 from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
-from tplib.runtime import LocalPool, RunConfig, RunResult
+from tplib.runtime import Data, LocalPool, Parallelism, RunConfig, RunResult, Timing
 from tplib.runtime.benchmark import modelled_memory
 from tplib.schedule import Action, Kind, make_schedule
 
@@ -212,15 +212,12 @@ N_OPS = (1, 2)
 def _run_config(schedule: str, n_op: int, recompute: str, dropout: float = 0.0) -> RunConfig:
     return RunConfig(
         model="tiny",
-        schedule=schedule,
-        n_stages=2,
-        n_op=n_op,
-        batch=4,
-        seq_len=32,
+        schedule_name=schedule,
+        parallelism=Parallelism(n_stages=2, n_op=n_op),
+        data=Data(batch=4, seq_len=32),
         slicing=1 if schedule == "gpipe" else 4,
-        steps=2,
+        timing=Timing(steps=2, timeout_s=60),
         recompute=recompute,
-        timeout_s=60,
         model_overrides=(("dropout", dropout),) if dropout else (),
     )
 
@@ -240,9 +237,11 @@ def measured() -> Iterator[Measured]:
         key = (schedule, n_op, recompute, dropout)
         if key not in results:
             run = _run_config(schedule, n_op, recompute, dropout)
-            if run.world_size not in pools:
-                pools[run.world_size] = LocalPool(run.world_size, timeout_s=60)
-            results[key] = run, pools[run.world_size].run(run)
+            if run.parallelism.world_size not in pools:
+                pools[run.parallelism.world_size] = LocalPool(
+                    run.parallelism.world_size, timeout_s=60
+                )
+            results[key] = run, pools[run.parallelism.world_size].run(run)
         return results[key]
 
     yield get

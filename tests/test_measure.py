@@ -31,7 +31,15 @@ from tplib.measure import (
 from tplib.perfmodel import Profile, profile_pipeline, profile_stage
 from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
-from tplib.runtime import LocalPool, RankResult, RunConfig, RunResult, measure_link
+from tplib.runtime import (
+    Data,
+    LocalPool,
+    Parallelism,
+    RankResult,
+    RunConfig,
+    RunResult,
+    measure_link,
+)
 from tplib.schedule import make_schedule
 from tplib.sim.costs import Link
 from tplib.sim.simulate import simulate
@@ -196,7 +204,7 @@ def test_contention_stretches_work_while_the_other_stage_works() -> None:
 
 
 def test_a_measured_row_reports_the_median_and_the_simulators_error() -> None:
-    run = RunConfig(n_stages=1, batch=1, seq_len=8)
+    run = RunConfig(parallelism=Parallelism(n_stages=1), data=Data(batch=1, seq_len=8))
     rank = RankResult(0, 0, 0, (0, 4), iteration_s=[1.0, 2.0, 10.0])
     sim = simulate(make_schedule("gpipe", 1, run.plan), ConstantCosts(t_f=1.0, t_b=2.0))
     assert sim.latency == 3.0

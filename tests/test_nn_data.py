@@ -10,7 +10,7 @@ from tplib.nn.data import batch_rows, synthetic_batch, training_batch
 
 
 def test_text_needs_a_byte_vocabulary() -> None:
-    with pytest.raises(ValueError, match=r"data='stdlib' is bytes .* vocab_size is 128"):
+    with pytest.raises(ValueError, match=r"data source 'stdlib' is bytes .* vocab_size is 128"):
         training_batch(get_config("tiny", (("vocab_size", 128),)), "stdlib", 2, 16, 0)
     with pytest.raises(ValueError, match="data source 'wiki'"):
         training_batch(get_config("tiny"), "wiki", 2, 16, 0)

@@ -13,7 +13,7 @@ import torch
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
 
 from tplib.nn.lr import LR_SCHEDULES, LRSchedule
-from tplib.runtime import RunConfig
+from tplib.runtime import Optim, RunConfig, Timing
 from tplib.runtime.reference import torch_lr_scheduler
 
 
@@ -122,23 +122,23 @@ def test_a_negative_step_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("timing", "optim"),
     [
-        {},  # the default: 2 warm-up steps, the cosine over the run
-        {"warmup": 3, "steps": 6},  # untimed iterations count as steps
-        {"steps": 8, "lr_decay_steps": 5, "min_lr_ratio": 0.3},  # decay shorter than the run
-        {"steps": 1},  # the run ends inside the warm-up
-        {"steps": 4, "lr_warmup_steps": 0, "lr_schedule": "constant"},
-        {"steps": 6, "lr_warmup_steps": 3, "lr_schedule": "constant"},
+        (Timing(steps=7), Optim()),  # the default: 2 warm-up steps, the cosine over the run
+        (Timing(warmup=3, steps=6), Optim()),  # untimed iterations count as steps
+        (Timing(steps=8), Optim(lr_decay_steps=5, min_lr_ratio=0.3)),  # decay before the end
+        (Timing(steps=1), Optim()),  # the run ends inside the warm-up
+        (Timing(steps=4), Optim(lr_warmup_steps=0, lr_schedule_name="constant")),
+        (Timing(steps=6), Optim(lr_warmup_steps=3, lr_schedule_name="constant")),
     ],
 )
-def test_the_reference_schedulers_give_the_runtime_rates(fields: dict[str, object]) -> None:
-    run = RunConfig(**({"steps": 7} | fields))  # type: ignore[arg-type]
+def test_the_reference_schedulers_give_the_runtime_rates(timing: Timing, optim: Optim) -> None:
+    run = RunConfig(timing=timing, optim=optim)
     param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=run.lr)
+    opt = torch.optim.SGD([param], lr=run.optim.lr)
     sched = torch_lr_scheduler(opt, run)
-    schedule = run.lr_schedule_data
-    for step in range(run.warmup + run.steps):
+    schedule = run.lr_schedule
+    for step in range(run.timing.iterations):
         assert schedule.lr_at(step) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), step
         opt.step()
         sched.step()

@@ -30,7 +30,17 @@ import torch
 
 import tplib.runtime.pool
 from tplib.runs.settings import setting_run
-from tplib.runtime import Hooks, LocalPool, RunConfig, WorkerError, launch, save_run_config
+from tplib.runtime import (
+    Data,
+    Hooks,
+    LocalPool,
+    Parallelism,
+    RunConfig,
+    Timing,
+    WorkerError,
+    launch,
+    save_run_config,
+)
 from tplib.runtime.backend import BackendError
 from tplib.runtime.heartbeat import Beat
 from tplib.runtime.rank import Progress
@@ -51,7 +61,7 @@ def test_world_size_not_the_layout() -> None:
         LocalPool(1) as pool,
         pytest.raises(ValueError, match=r"world size 1 is not #Data x #Pipe x #Op = 1 x 2 x 1 = 2"),
     ):
-        pool.run(RunConfig(n_stages=2))
+        pool.run(RunConfig(parallelism=Parallelism(n_stages=2)))
 
 
 def test_failing_worker_fails_the_run_with_its_traceback() -> None:
@@ -60,7 +70,14 @@ def test_failing_worker_fails_the_run_with_its_traceback() -> None:
         WorkerError,
         match=r"(?s)rank 1 \(stage 1, replica 0\) failed.*Traceback.*injected fault on rank 1",
     ):
-        launch(RunConfig(n_stages=2, batch=2, seq_len=16, timeout_s=60), Hooks(fault="raise:1"))
+        launch(
+            RunConfig(
+                parallelism=Parallelism(n_stages=2),
+                data=Data(batch=2, seq_len=16),
+                timing=Timing(timeout_s=60),
+            ),
+            Hooks(fault="raise:1"),
+        )
     assert time.monotonic() - start < 50, "the run must not wait for the communication timeout"
 
 
@@ -69,11 +86,23 @@ def test_hanging_peer_times_out_naming_what_was_awaited() -> None:
         WorkerError,
         match=r"stage 1 \(rank 1\) waited 3 s for the activation from stage 0 \(rank 0\) of unit b0 t0",
     ):
-        launch(RunConfig(n_stages=2, batch=1, seq_len=16, timeout_s=3), Hooks(fault="hang:0"))
+        launch(
+            RunConfig(
+                parallelism=Parallelism(n_stages=2),
+                data=Data(batch=1, seq_len=16),
+                timing=Timing(timeout_s=3),
+            ),
+            Hooks(fault="hang:0"),
+        )
 
 
 def test_torchrun_entry_point_writes_results(tmp_path: Path) -> None:
-    run = RunConfig(n_stages=2, batch=2, seq_len=16, slicing=2, steps=2, timeout_s=60)
+    run = RunConfig(
+        parallelism=Parallelism(n_stages=2),
+        data=Data(batch=2, seq_len=16),
+        slicing=2,
+        timing=Timing(steps=2, timeout_s=60),
+    )
     save_run_config(run, tmp_path / "run.json")
     out = tmp_path / "result.pt"
     proc = subprocess.run(
@@ -96,7 +125,13 @@ def test_a_pool_is_ready_once_every_process_joined_the_group() -> None:
         pool.wait_ready()
         assert pool._ready == {0, 1}
         pool.wait_ready()  # idempotent
-        result = pool.run(RunConfig(n_stages=2, batch=1, seq_len=16, timeout_s=60))
+        result = pool.run(
+            RunConfig(
+                parallelism=Parallelism(n_stages=2),
+                data=Data(batch=1, seq_len=16),
+                timing=Timing(timeout_s=60),
+            )
+        )
         assert len(result.losses) == 1
 
 
@@ -142,7 +177,7 @@ def test_a_pool_worker_makes_a_gpu_current_only_for_cuda(
     jobs: queue.Queue[Any] = queue.Queue()
     results: queue.Queue[Any] = queue.Queue()
     for device in devices:
-        jobs.put((RunConfig(n_stages=2, device=device), Hooks()))
+        jobs.put((RunConfig(parallelism=Parallelism(n_stages=2), device=device), Hooks()))
     jobs.put(None)
     with pytest.raises(_Exited):
         tplib.runtime.pool._pool_worker(4, 8, 0, backend, 60.0, jobs, results, Progress.local(8))
@@ -154,7 +189,10 @@ def test_a_pool_worker_makes_a_gpu_current_only_for_cuda(
 def test_nccl_is_refused_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     before = set(multiprocessing.active_children())
     with pytest.raises(BackendError, match=r"backend 'nccl' for a run on device 'cpu'"):
-        launch(RunConfig(n_stages=2, batch=2, seq_len=16), backend="nccl")
+        launch(
+            RunConfig(parallelism=Parallelism(n_stages=2), data=Data(batch=2, seq_len=16)),
+            backend="nccl",
+        )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(
         BackendError, match=r"backend 'nccl' with ranks 0, 1 share GPU cuda:0: NCCL refuses"
@@ -184,7 +222,9 @@ def test_launch_takes_the_backend_asked_for(monkeypatch: pytest.MonkeyPatch) -> 
             pass
 
     monkeypatch.setattr(tplib.runtime.pool, "LocalPool", Recorded)
-    cuda = RunConfig(n_stages=2, batch=2, seq_len=16, device="cuda")
+    cuda = RunConfig(
+        parallelism=Parallelism(n_stages=2), data=Data(batch=2, seq_len=16), device="cuda"
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     launch(cuda)
     launch(cuda, backend="gloo")
@@ -293,11 +333,20 @@ def test_torchrun_without_ranks_per_node_accepts_any_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_process_group: list[str]
 ) -> None:
     config = tmp_path / "run.json"
-    save_run_config(RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16), config)
+    save_run_config(
+        RunConfig(parallelism=Parallelism(n_stages=2, n_op=2), data=Data(batch=2, seq_len=16)),
+        config,
+    )
     with pytest.raises(_ProcessGroupStarted):
         _torchrun_main(config, tmp_path, monkeypatch, WORLD_SIZE=4, LOCAL_WORLD_SIZE=1)
     assert no_process_group == ["gloo"]
-    save_run_config(RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16, ranks_per_node=2), config)
+    save_run_config(
+        RunConfig(
+            parallelism=Parallelism(n_stages=2, n_op=2, ranks_per_node=2),
+            data=Data(batch=2, seq_len=16),
+        ),
+        config,
+    )
     with pytest.raises(ValueError, match=r"started 4 processes per node, but .* puts 2 on each"):
         _torchrun_main(config, tmp_path, monkeypatch, WORLD_SIZE=4, LOCAL_WORLD_SIZE=4)
     assert no_process_group == ["gloo"]
@@ -336,7 +385,10 @@ def test_torchrun_cpu_run_touches_no_gpu(
     for name in ("device_count", "set_device", "get_device_properties", "is_available"):
         monkeypatch.setattr(torch.cuda, name, touched)
     config = tmp_path / "run.json"
-    save_run_config(RunConfig(n_stages=2, n_op=2, batch=2, seq_len=16), config)
+    save_run_config(
+        RunConfig(parallelism=Parallelism(n_stages=2, n_op=2), data=Data(batch=2, seq_len=16)),
+        config,
+    )
     with pytest.raises(_ProcessGroupStarted):
         _torchrun_main(config, tmp_path, monkeypatch, WORLD_SIZE=4)
     # Rank 0 says which backend and why, in one line, before the process group starts.
@@ -350,7 +402,14 @@ def test_torchrun_module_fails_on_a_wrong_world_size(tmp_path: Path) -> None:
     """As torchrun starts it: ``python -m tplib.runtime.torchrun`` with WORLD_SIZE set
     (and no rendezvous to reach: a process group would wait, then time out)."""
     config = tmp_path / "run.json"
-    save_run_config(RunConfig(n_stages=2, batch=2, seq_len=16, timeout_s=5), config)
+    save_run_config(
+        RunConfig(
+            parallelism=Parallelism(n_stages=2),
+            data=Data(batch=2, seq_len=16),
+            timing=Timing(timeout_s=5),
+        ),
+        config,
+    )
     out = tmp_path / "result.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "RANK")}
     env |= {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -377,7 +436,12 @@ def test_torchrun_module_fails_on_a_wrong_world_size(tmp_path: Path) -> None:
 # ---- a worker killed without a word (SIGKILL, the out-of-memory killer) -------------------
 
 # Long enough to be killed in the middle: 20 iterations of 130 actions a stage.
-LONG = RunConfig(n_stages=2, batch=2, seq_len=64, slicing=16, steps=20, timeout_s=5)
+LONG = RunConfig(
+    parallelism=Parallelism(n_stages=2),
+    data=Data(batch=2, seq_len=64),
+    slicing=16,
+    timing=Timing(steps=20, timeout_s=5),
+)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -421,7 +485,7 @@ class Killer:
             while (pool := self.find()) is None or not pool.pids[self.rank]:
                 assert time.monotonic() < deadline, "no pool started"
                 time.sleep(0.01)
-            n = len(LONG.schedule_data.actions[LONG.position(self.rank)[1]])
+            n = len(LONG.schedule.actions[LONG.parallelism.position(self.rank)[1]])
             while True:
                 iteration, position = pool.progress.where(self.rank)
                 if iteration >= self.iteration and n // 4 <= position < 3 * n // 4:
@@ -442,7 +506,7 @@ class Killer:
 
 def _check_killed_run(err: WorkerError, killer: Killer, pool: LocalPool) -> None:
     took = time.monotonic() - killer.killed_at
-    assert took < LONG.timeout_s, f"the run took {took:.1f} s to fail"
+    assert took < LONG.timing.timeout_s, f"the run took {took:.1f} s to fail"
     message = str(err)
     # What the dead rank was doing is what its progress said last: an action mid-list.
     doing = pool.progress.describe(LONG, 1)
@@ -457,7 +521,7 @@ def _check_killed_run(err: WorkerError, killer: Killer, pool: LocalPool) -> None
 
 
 def test_a_worker_killed_mid_iteration_fails_the_run_naming_what_it_was_doing() -> None:
-    pool = LocalPool(2, timeout_s=LONG.timeout_s)
+    pool = LocalPool(2, timeout_s=LONG.timing.timeout_s)
     killer = Killer(lambda: pool, rank=1, iteration=2)
     with pytest.raises(WorkerError) as err:
         pool.run(LONG)
@@ -539,7 +603,7 @@ def test_torchrun_with_a_killed_worker_fails_naming_what_it_was_doing(tmp_path: 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - killed_at
-    assert proc.returncode != 0 and took < LONG.timeout_s, took
+    assert proc.returncode != 0 and took < LONG.timing.timeout_s, took
     # torchrun's agent names the killed rank (SIGKILL leaves it no word of its own) ...
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", stderr), stderr[-3000:]
     # ... and rank 0 what it was doing: its last report, no earlier than the test saw.
@@ -566,7 +630,7 @@ def _reported_mid_iteration(worker: Any, rank: int, iteration: int) -> Beat:
         timeout=datetime.timedelta(seconds=60),
     )
     key = f"tplib/progress/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
-    n = len(LONG.schedule_data.actions[LONG.position(rank)[1]])
+    n = len(LONG.schedule.actions[LONG.parallelism.position(rank)[1]])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if store.check([key]):

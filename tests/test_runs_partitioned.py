@@ -5,6 +5,7 @@ rule of the asynchronous schedule the planner chose)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,11 +21,24 @@ from tplib.partition import (
     twobw_plan,
 )
 from tplib.runs.partitioned import pipedream_run, search_run, twobw_run
-from tplib.runtime import Hooks, LocalPool, RunConfig, RunResult, train_reference
+from tplib.runtime import (
+    Data,
+    Hooks,
+    LocalPool,
+    Optim,
+    Parallelism,
+    RunConfig,
+    RunResult,
+    Timing,
+    train_reference,
+)
 from tplib.search.layout import autoplan
 
 SEQ_LEN = 16
-EXACT: dict[str, Any] = {"steps": 3, "lr": 1e-3, "adam_eps": 1e-6, "timeout_s": 60.0}
+TIMING = Timing(steps=3, timeout_s=60.0)
+EXACT = Optim(lr=1e-3, adam_eps=1e-6)
+# The asynchronous schedules' runs: their planners' runs do not clip, nor may a recipe given.
+EXACT_ASYNC: dict[str, Any] = {"timing": TIMING, "optim": replace(EXACT, grad_clip=0.0)}
 
 
 def _matches_reference(run: RunConfig, result: RunResult) -> None:
@@ -32,9 +46,9 @@ def _matches_reference(run: RunConfig, result: RunResult) -> None:
     torch.testing.assert_close(
         torch.tensor(result.losses), torch.tensor(ref.losses), rtol=1e-5, atol=1e-5
     )
-    for replica in range(run.n_data):
+    for replica in range(run.parallelism.n_data):
         for (stage, name), p in result.params(replica).items():
-            last = stage == run.n_stages - 1 and name == "head.weight"
+            last = stage == run.parallelism.n_stages - 1 and name == "head.weight"
             key = "wte.weight" if last and run.cfg.tie_embeddings else name
             torch.testing.assert_close(p, ref.params[key], rtol=1e-5, atol=1e-5)
 
@@ -43,9 +57,13 @@ def test_gpipe_balance_runs_as_uneven_stages(pools: Callable[[int], LocalPool]) 
     ranges = balance(cluster_chain("tiny", microbatch=1, seq_len=SEQ_LEN), 3)
     assert len({hi - lo for lo, hi in ranges}) > 1  # uneven: 4 layers on 3 stages
     run = RunConfig(
-        schedule="terapipe", n_stages=3, batch=2, seq_len=SEQ_LEN, slicing=2,
-        stage_ranges=ranges, **EXACT,
-    )  # fmt: skip
+        schedule_name="terapipe",
+        parallelism=Parallelism(n_stages=3, stage_ranges=ranges),
+        data=Data(batch=2, seq_len=SEQ_LEN),
+        slicing=2,
+        timing=TIMING,
+        optim=EXACT,
+    )
     _matches_reference(run, pools(3).run(run, Hooks(collect_params=True)))
 
 
@@ -57,10 +75,10 @@ def test_twobw_choice_trains_by_its_update_rule(pools: Callable[[int], LocalPool
         microbatches=(1, 2),
         depths=[2],
     )
-    run = twobw_run(plan.best, "tiny", SEQ_LEN, **EXACT)
-    assert (run.n_data, run.n_stages) == (plan.best.width, plan.best.depth)
-    assert run.ranges == plan.best.stage_ranges and run.schedule == "2bw"
-    _matches_reference(run, pools(run.world_size).run(run, Hooks(collect_params=True)))
+    run = twobw_run(plan.best, "tiny", SEQ_LEN, **EXACT_ASYNC)
+    assert (run.parallelism.n_data, run.parallelism.n_stages) == (plan.best.width, plan.best.depth)
+    assert run.ranges == plan.best.stage_ranges and run.schedule_name == "2bw"
+    _matches_reference(run, pools(run.parallelism.world_size).run(run, Hooks(collect_params=True)))
 
 
 def test_pipedream_choice_trains_by_its_update_rule(pools: Callable[[int], LocalPool]) -> None:
@@ -68,8 +86,8 @@ def test_pipedream_choice_trains_by_its_update_rule(pools: Callable[[int], Local
     chain = cluster_chain("tiny", microbatch=2, seq_len=SEQ_LEN)
     plan = pipedream_partition(chain, Topology.flat(2, 5e6))
     assert [s.replicas for s in plan.stages] == [1, 1]
-    run = pipedream_run(plan, "tiny", SEQ_LEN, microbatch=2, **EXACT)
-    assert run.ranges == plan.stage_ranges and run.schedule == "pipedream"
+    run = pipedream_run(plan, "tiny", SEQ_LEN, microbatch=2, **EXACT_ASYNC)
+    assert run.ranges == plan.stage_ranges and run.schedule_name == "pipedream"
     _matches_reference(run, pools(2).run(run, Hooks(collect_params=True)))
 
 
@@ -83,10 +101,18 @@ def test_a_replicated_stage_cannot_run() -> None:
 
 def test_the_searched_layout_is_a_run() -> None:
     search = autoplan("GPT3-175B", 384, 2)
-    run = search_run(search, steps=3)
+    run = search_run(search, timing=Timing(steps=3))
     lay = search.best.layout
-    assert (run.n_data, run.n_stages, run.n_op) == (lay.n_data, lay.n_stages, lay.n_op)
-    assert run.world_size == 384 and run.ranks_per_node == 8 and run.steps == 3
+    assert (run.parallelism.n_data, run.parallelism.n_stages, run.parallelism.n_op) == (
+        lay.n_data,
+        lay.n_stages,
+        lay.n_op,
+    )
+    assert (
+        run.parallelism.world_size == 384
+        and run.parallelism.ranks_per_node == 8
+        and run.timing.steps == 3
+    )
     assert run.plan.to_paper() == search.best.plan and run.precision == "fp16"
     unplanned = next(c for c in search.candidates if c.status != "fits" and not c.plan)
     with pytest.raises(ValueError, match="was not planned"):

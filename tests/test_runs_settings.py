@@ -64,7 +64,14 @@ def test_the_reference_table_is_the_library_table() -> None:
 def test_for_setting_is_the_table1_row(n: int) -> None:
     model, n_layer, hidden, seq_len, gpus, batch, data, pipe, op = TABLE1[n]
     run = setting_run(n)  # the default plan: the DP planner on the cluster model
-    assert (run.model, run.n_data, run.n_stages, run.n_op, run.batch, run.seq_len) == (
+    assert (
+        run.model,
+        run.parallelism.n_data,
+        run.parallelism.n_stages,
+        run.parallelism.n_op,
+        run.data.batch,
+        run.data.seq_len,
+    ) == (
         model,
         data,
         pipe,
@@ -73,10 +80,10 @@ def test_for_setting_is_the_table1_row(n: int) -> None:
         seq_len,
     )
     assert (run.cfg.n_layer, run.cfg.hidden, run.cfg.seq_len) == (n_layer, hidden, seq_len)
-    assert run.world_size == gpus == data * pipe * op
+    assert run.parallelism.world_size == gpus == data * pipe * op
     assert run.precision == "fp16" and run.device == "cuda" and run.recompute == "none"
-    assert run.ranks_per_node == 8
-    assert run.schedule == "terapipe"
+    assert run.parallelism.ranks_per_node == 8
+    assert run.schedule_name == "terapipe"
     assert run.pipeline_batch == batch // data
     assert _covers(run.plan, batch // data, seq_len)
     # Equal stages: N / #Pipe layers each, in order.
@@ -88,19 +95,24 @@ def test_for_setting_is_the_table1_row(n: int) -> None:
 def test_gpipe_and_paper_plan_sources(n: int) -> None:
     _, _, _, seq_len, _, batch, data, pipe, op = TABLE1[n]
     gpipe = setting_run(n, plan="gpipe")
-    assert gpipe.schedule == "gpipe"
+    assert gpipe.schedule_name == "gpipe"
     assert gpipe.plan == Plan.gpipe(batch // data, seq_len)
     # "w/o TeraPipe": microbatches of one whole sequence.
     assert gpipe.plan.batch_slices == (1,) * (batch // data)
     assert gpipe.plan.token_slices == ((seq_len,),) * (batch // data)
 
     paper = setting_run(n, plan="paper")
-    assert paper.schedule == "terapipe"
+    assert paper.schedule_name == "terapipe"
     assert paper.plan == main_row(n, TERAPIPE).plan  # the plan Table 2 prints
     assert _covers(paper.plan, batch // data, seq_len)
     # The layout does not depend on where the plan comes from.
     for run in (gpipe, paper):
-        assert (run.n_data, run.n_stages, run.n_op, run.batch) == (data, pipe, op, batch)
+        assert (
+            run.parallelism.n_data,
+            run.parallelism.n_stages,
+            run.parallelism.n_op,
+            run.data.batch,
+        ) == (data, pipe, op, batch)
 
 
 def test_paper_plans_as_printed() -> None:
@@ -159,14 +171,16 @@ def test_a_profile_that_timed_another_run_is_warned_about(tmp_path: Path) -> Non
 def test_op_ranks_of_a_stage_share_a_node(n: int) -> None:
     run = setting_run(n, plan="gpipe")
     seen = set()
-    for rank in range(run.world_size):
-        replica, stage, op_rank = run.position(rank)
-        assert run.rank_of(replica, stage, op_rank) == rank
+    for rank in range(run.parallelism.world_size):
+        replica, stage, op_rank = run.parallelism.position(rank)
+        assert run.parallelism.rank_of(replica, stage, op_rank) == rank
         seen.add((replica, stage, op_rank))
-    assert len(seen) == run.world_size
-    for replica in range(run.n_data):
-        for stage in range(run.n_stages):
-            nodes = {run.rank_of(replica, stage, o) // 8 for o in range(run.n_op)}
+    assert len(seen) == run.parallelism.world_size
+    for replica in range(run.parallelism.n_data):
+        for stage in range(run.parallelism.n_stages):
+            nodes = {
+                run.parallelism.rank_of(replica, stage, o) // 8 for o in range(run.parallelism.n_op)
+            }
             assert len(nodes) == 1, (replica, stage, nodes)
 
 
@@ -188,8 +202,13 @@ def test_planned_configs_round_trip_through_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize("plan", ["cluster", "gpipe"])
 def test_setting_5_at_longer_sequences(seq_len: int, batch: int, plan: str) -> None:
     run = setting_run(5, seq_len=seq_len, plan=plan)
-    assert (run.model, run.seq_len, run.batch) == ("GPT3-13B", seq_len, batch)
-    assert (run.n_data, run.n_stages, run.n_op, run.world_size) == (1, 40, 8, 320)
+    assert (run.model, run.data.seq_len, run.data.batch) == ("GPT3-13B", seq_len, batch)
+    assert (
+        run.parallelism.n_data,
+        run.parallelism.n_stages,
+        run.parallelism.n_op,
+        run.parallelism.world_size,
+    ) == (1, 40, 8, 320)
     assert run.cfg.seq_len == seq_len  # the model's context grows with L
     assert run.pipeline_batch == batch  # L=8192: B=2
     assert _covers(run.plan, batch, seq_len)
@@ -231,7 +250,7 @@ def test_torchrun_line(n: int) -> None:
     assert _option(tokens, "--config") == config and _option(tokens, "--out") == out
     assert _option(tokens, "--rdzv-backend") == "c10d"
     # A node that never starts fails the rendezvous within the run's timeout, not 600 s.
-    assert _option(tokens, "--rdzv-conf") == f"join_timeout={math.ceil(run.timeout_s)}"
+    assert _option(tokens, "--rdzv-conf") == f"join_timeout={math.ceil(run.timing.timeout_s)}"
 
 
 def _fake(bin_dir: Path, name: str, body: str) -> None:

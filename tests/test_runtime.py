@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,7 +27,18 @@ import torch
 
 from tplib.nn.oppart import shard_spec
 from tplib.plan import Plan
-from tplib.runtime import Hooks, LocalPool, ReferenceResult, RunConfig, RunResult, train_reference
+from tplib.runtime import (
+    Data,
+    Hooks,
+    LocalPool,
+    Optim,
+    Parallelism,
+    ReferenceResult,
+    RunConfig,
+    RunResult,
+    Timing,
+    train_reference,
+)
 from tplib.runtime.worker import Worker
 from tplib.schedule import Kind, registered, schedule_names
 
@@ -59,27 +71,35 @@ CASES = [
 ]
 
 
+OPTIM = Optim(
+    lr=1e-3,  # wrong or missing gradients move parameters ~1e-3, 100x the tolerance
+    # The attention key bias has a gradient that is exactly zero in exact arithmetic
+    # (softmax ignores a shift common to all keys), so both runs hold rounding noise
+    # there, ~1e-10. With Adam's default eps=1e-8 that noise is divided by its own
+    # magnitude and moves the bias by ~lr; eps=1e-6 keeps noise-level gradients
+    # noise-level without touching any real gradient (all >> 1e-6 here).
+    adam_eps=1e-6,
+)
+
+
 def _config(
-    schedule: str, k: int, r: int, plan: Plan, *, n_op: int = 1, **fields: Any
+    schedule: str,
+    k: int,
+    r: int,
+    plan: Plan,
+    *,
+    n_op: int = 1,
+    optim: Optim = OPTIM,
+    **fields: Any,
 ) -> RunConfig:
     return RunConfig(
         model="tiny",
-        schedule=schedule,
-        n_stages=k,
-        n_data=r,
-        n_op=n_op,
-        batch=BATCH_PER_REPLICA * r,
-        seq_len=SEQ_LEN,
+        schedule_name=schedule,
+        parallelism=Parallelism(n_stages=k, n_data=r, n_op=n_op),
+        data=Data(batch=BATCH_PER_REPLICA * r, seq_len=SEQ_LEN),
         slicing=plan,
-        steps=5,
-        lr=1e-3,  # wrong or missing gradients move parameters ~1e-3, 100x the tolerance
-        # The attention key bias has a gradient that is exactly zero in exact arithmetic
-        # (softmax ignores a shift common to all keys), so both runs hold rounding noise
-        # there, ~1e-10. With Adam's default eps=1e-8 that noise is divided by its own
-        # magnitude and moves the bias by ~lr; eps=1e-6 keeps noise-level gradients
-        # noise-level without touching any real gradient (all >> 1e-6 here).
-        adam_eps=1e-6,
-        timeout_s=60,
+        timing=Timing(steps=5, timeout_s=60),
+        optim=optim,
         **fields,
     )
 
@@ -90,17 +110,8 @@ _references: dict[tuple[object, ...], ReferenceResult] = {}
 
 def _reference(run: RunConfig) -> ReferenceResult:
     # The reference depends only on the global batch, the model and the optimiser recipe
-    # (the data, steps and the rest of the optimiser are fixed by _config).
-    key = (
-        run.batch,
-        run.model_overrides,
-        run.grad_clip,
-        run.lr_schedule,
-        run.lr_warmup_steps,
-        run.lr_decay_steps,
-        run.min_lr_ratio,
-        run.weight_decay_params,
-    )
+    # (the data and steps are fixed by _config).
+    key = (run.data.batch, run.model_overrides, run.optim)
     if key not in _references:
         _references[key] = train_reference(run)
     return _references[key]
@@ -112,21 +123,25 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
     # A last stage's LM head is the model's tied token embedding.
-    last = stage == run.n_stages - 1
+    last = stage == run.parallelism.n_stages - 1
     return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
 def _check_against_reference(run: RunConfig, result: RunResult) -> None:
     ref = _reference(run)
-    r = run.n_data
+    r = run.parallelism.n_data
     # Losses of every step (the first one is the loss after one iteration).
     _close(torch.tensor(result.losses), torch.tensor(ref.losses), "losses")
     # The global gradient norm every rank clipped with is the whole model's.
-    assert len(result.grad_norms) == len(ref.grad_norms) == (run.steps if run.grad_clip else 0)
+    assert (
+        len(result.grad_norms)
+        == len(ref.grad_norms)
+        == (run.timing.steps if run.optim.grad_clip else 0)
+    )
     torch.testing.assert_close(
         torch.tensor(result.grad_norms), torch.tensor(ref.grad_norms), rtol=1e-5, atol=0
     )
-    assert all(n > run.grad_clip for n in ref.grad_norms), "clipping must bind to be tested"
+    assert all(n > run.optim.grad_clip for n in ref.grad_norms), "clipping must bind to be tested"
     assert all(r.grad_norms == result.grad_norms for r in result.ranks), "ranks disagree"
     for replica in range(r):
         grads, params = result.grads(replica), result.params(replica)
@@ -143,7 +158,7 @@ def test_pipeline_matches_single_process(
     pools: Callable[[int], LocalPool], schedule: str, k: int, r: int, i: int
 ) -> None:
     run = _config(schedule, k, r, SLICINGS[schedule][i])
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 # (#Data, #Pipe, #Op): the shapes of Table 1's layouts, scaled down.
@@ -164,7 +179,7 @@ def test_3d_layouts_match_single_process(
     pools: Callable[[int], LocalPool], r: int, k: int, n_op: int, schedule: str, recompute: str
 ) -> None:
     run = _config(schedule, k, r, SLICED[schedule], n_op=n_op, recompute=recompute)
-    result = pools(run.world_size).run(run, COLLECT)
+    result = pools(run.parallelism.world_size).run(run, COLLECT)
     _check_against_reference(run, result)
     # Replicated parameters (LayerNorms, biases after row-parallel products, positions)
     # stay identical on every op rank without any synchronisation of their own.
@@ -180,7 +195,7 @@ def test_3d_layouts_match_single_process(
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_recompute_matches_single_process(pools: Callable[[int], LocalPool], k: int) -> None:
     run = _config("terapipe", k, 1, SLICINGS["terapipe"][1], recompute="full")
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 def test_padded_vocabulary_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
@@ -189,7 +204,7 @@ def test_padded_vocabulary_matches_single_process(pools: Callable[[int], LocalPo
         "terapipe", 1, 1, SLICED["terapipe"], n_op=2, model_overrides=(("vocab_size", 95),)
     )
     assert run.padded_vocab == 96
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 def test_old_recipe_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
@@ -199,18 +214,21 @@ def test_old_recipe_matches_single_process(pools: Callable[[int], LocalPool]) ->
         2,
         1,
         SLICINGS["terapipe"][1],
-        grad_clip=0.0,
-        lr_schedule="constant",
-        lr_warmup_steps=0,
-        weight_decay_params="all",
+        optim=replace(
+            OPTIM,
+            grad_clip=0.0,
+            lr_schedule_name="constant",
+            lr_warmup_steps=0,
+            weight_decay_params="all",
+        ),
     )
-    result = pools(run.world_size).run(run, COLLECT)
+    result = pools(run.parallelism.world_size).run(run, COLLECT)
     _check_against_reference(run, result)
     ref = _reference(run)
-    assert ref.lrs == [run.lr] * run.steps and not result.grad_norms
+    assert ref.lrs == [run.optim.lr] * run.timing.steps and not result.grad_norms
     # The default recipe trains differently: this case is not the default one again.
     default = _reference(_config("terapipe", 2, 1, SLICINGS["terapipe"][1]))
-    assert default.lrs[0] == run.lr / 3 and default.lrs[-1] < run.lr
+    assert default.lrs[0] == run.optim.lr / 3 and default.lrs[-1] < run.optim.lr
     gap = max((default.params[n] - ref.params[n]).abs().max().item() for n in ref.params)
     assert gap > 1e-4
 
@@ -218,7 +236,7 @@ def test_old_recipe_matches_single_process(pools: Callable[[int], LocalPool]) ->
 @pytest.mark.parametrize("schedule", list(SLICED))
 def test_erf_gelu_matches_single_process(pools: Callable[[int], LocalPool], schedule: str) -> None:
     run = _config(schedule, 2, 1, SLICED[schedule], model_overrides=(("gelu", "erf"),))
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 @pytest.mark.parametrize("schedule", list(SLICED))
@@ -228,12 +246,12 @@ def test_dropout_matches_single_process(pools: Callable[[int], LocalPool], sched
     run = _config(
         schedule, 2, 2, SLICED[schedule], recompute="full", model_overrides=(("dropout", 0.1),)
     )
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 def test_dropout_on_a_3d_layout_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 2, SLICED["terapipe"], n_op=2, model_overrides=(("dropout", 0.1),))
-    _check_against_reference(run, pools(run.world_size).run(run, COLLECT))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
@@ -254,7 +272,7 @@ def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     ]
     for stage in range(2):
         rows = trace[(trace.stage == stage) & (trace.iteration == 0)]
-        listed = [str(a) for a in run.schedule_data.actions[stage]]
+        listed = [str(a) for a in run.schedule.actions[stage]]
         traced = [
             kind if kind in ("AR", "OPT") else f"{kind} b{b} t{t}"
             for kind, b, t in zip(rows.kind, rows.b, rows.t, strict=True)
@@ -305,15 +323,13 @@ def _determinism_config(schedule: str, seed: int = 0) -> RunConfig:
     asynchronous = registered(schedule).asynchronous
     return RunConfig(
         model="tiny",
-        schedule=schedule,
-        n_stages=2,
-        batch=DETERMINISM[schedule].batch,
-        seq_len=SEQ_LEN,
+        schedule_name=schedule,
+        parallelism=Parallelism(n_stages=2),
+        data=Data(batch=DETERMINISM[schedule].batch, seq_len=SEQ_LEN),
         slicing=DETERMINISM[schedule],
-        steps=3,
-        grad_clip=0.0 if asynchronous else 1.0,
+        timing=Timing(steps=3, timeout_s=60),
+        optim=Optim(grad_clip=0.0 if asynchronous else 1.0),
         seed=seed,
-        timeout_s=60,
         model_overrides=() if asynchronous else (("dropout", 0.1),),
     )
 
@@ -361,17 +377,13 @@ def _bf16_3d_config(seed: int = 0) -> RunConfig:
     the vocabulary-parallel loss, all under autocast."""
     return RunConfig(
         model="tiny",
-        schedule="terapipe",
-        n_stages=1,
-        n_data=2,
-        n_op=2,
-        batch=2 * BATCH_PER_REPLICA,
-        seq_len=SEQ_LEN,
+        schedule_name="terapipe",
+        parallelism=Parallelism(n_stages=1, n_data=2, n_op=2),
+        data=Data(batch=2 * BATCH_PER_REPLICA, seq_len=SEQ_LEN),
         slicing=Plan((1, 1), ((5, 11), (2, 6, 8))),
         precision="bf16",
-        steps=3,
+        timing=Timing(steps=3, timeout_s=60),
         seed=seed,
-        timeout_s=60,
         model_overrides=(("dropout", 0.1),),
     )
 
@@ -380,13 +392,13 @@ def test_bf16_with_data_and_op_parallelism_gives_identical_bits(
     pools: Callable[[int], LocalPool], other_pools: Callable[[int], LocalPool]
 ) -> None:
     run = _bf16_3d_config()
-    assert (run.n_data, run.n_op, run.precision) == (2, 2, "bf16")
+    assert (run.parallelism.n_data, run.parallelism.n_op, run.precision) == (2, 2, "bf16")
     first = pools(4).run(run, COLLECT)
     _assert_identical(first, pools(4).run(run, COLLECT), "bf16 #Data=2 #Op=2, the same pool")
     _assert_identical(first, other_pools(4).run(run, COLLECT), "bf16 #Data=2 #Op=2, another pool")
     assert len(first.losses) == 3 and len(set(first.losses)) == 3  # it trains
     # Both replicas end with the same parameters, bit for bit, on each op rank.
-    for op_rank in range(run.n_op):
+    for op_rank in range(run.parallelism.n_op):
         a, b = (
             next(r for r in first.ranks if (r.replica, r.op_rank) == (i, op_rank)) for i in (0, 1)
         )

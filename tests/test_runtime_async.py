@@ -25,7 +25,17 @@ import pytest
 import torch
 
 from tplib.plan import Plan
-from tplib.runtime import Hooks, LocalPool, RunConfig, RunResult, train_reference
+from tplib.runtime import (
+    Data,
+    Hooks,
+    LocalPool,
+    Optim,
+    Parallelism,
+    RunConfig,
+    RunResult,
+    Timing,
+    train_reference,
+)
 
 SEQ_LEN = 16
 STEPS = 6
@@ -42,30 +52,35 @@ def _plan(schedule: str, k: int, sliced: bool) -> Plan:
 
 
 def _config(
-    schedule: str, k: int, *, sliced: bool = False, r: int = 1, n_op: int = 1, **fields: Any
+    schedule: str,
+    k: int,
+    *,
+    sliced: bool = False,
+    r: int = 1,
+    n_op: int = 1,
+    source: str = "synthetic",
+    **fields: Any,
 ) -> RunConfig:
     plan = _plan(schedule.split("+")[0], k, sliced)
     return RunConfig(
         model="tiny",
-        schedule=schedule.split("+")[0],
+        schedule_name=schedule.split("+")[0],
         vertical_sync=schedule.endswith("+vs"),
-        n_stages=k,
-        n_data=r,
-        n_op=n_op,
-        batch=plan.batch * r,
-        seq_len=SEQ_LEN,
+        parallelism=Parallelism(n_stages=k, n_data=r, n_op=n_op),
+        data=Data(batch=plan.batch * r, seq_len=SEQ_LEN, source=source),
         slicing=plan,
-        steps=STEPS,
-        grad_clip=0.0,  # asynchronous schedules do not clip (see RunConfig)
-        lr=1e-3,  # a wrong version moves parameters ~1e-3, 100x the tolerance
-        adam_eps=1e-6,  # as in test_runtime: keeps the zero-gradient key bias at noise level
-        timeout_s=60,
+        timing=Timing(steps=STEPS, timeout_s=60),
+        optim=Optim(
+            grad_clip=0.0,  # asynchronous schedules do not clip (see RunConfig)
+            lr=1e-3,  # a wrong version moves parameters ~1e-3, 100x the tolerance
+            adam_eps=1e-6,  # as in test_runtime: keeps the zero-gradient key bias at noise level
+        ),
         **fields,
     )
 
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
-    last = stage == run.n_stages - 1
+    last = stage == run.parallelism.n_stages - 1
     return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
@@ -73,7 +88,7 @@ def _max_param_error(
     run: RunConfig, result: RunResult, ref_params: dict[str, torch.Tensor]
 ) -> float:
     worst = 0.0
-    for replica in range(run.n_data):
+    for replica in range(run.parallelism.n_data):
         params = result.params(replica)
         assert params, "no parameters collected"
         for (stage, name), p in params.items():
@@ -104,10 +119,10 @@ def _check(run: RunConfig, result: RunResult, schedule: str) -> None:
         torch.tensor(result.losses), torch.tensor(ref.losses), rtol=1e-5, atol=1e-5
     )
     assert _max_param_error(run, result, ref.params) < 1e-5
-    assert _versions(result) == _expected_versions(schedule, run.n_stages)
-    if run.n_stages > 1:
+    assert _versions(result) == _expected_versions(schedule, run.parallelism.n_stages)
+    if run.parallelism.n_stages > 1:
         # The same data under the synchronous rule ends elsewhere: the test sees versions.
-        sync = train_reference(dataclasses.replace(run, schedule="1f1b", vertical_sync=False))
+        sync = train_reference(dataclasses.replace(run, schedule_name="1f1b", vertical_sync=False))
         assert _max_param_error(run, result, sync.params) > 1e-4
 
 
@@ -123,7 +138,7 @@ def test_matches_update_rule(
     if schedule == "pipedream+vs" and k == 1:
         pytest.skip("vertical sync on one stage is plain PipeDream")
     run = _config(schedule, k, sliced=sliced)
-    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    result = pools(run.parallelism.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, schedule)
 
 
@@ -133,19 +148,19 @@ def test_3d_layouts_match_update_rule(
     pools: Callable[[int], LocalPool], schedule: str, r: int, n_op: int
 ) -> None:
     run = _config(schedule, 2, sliced=True, r=r, n_op=n_op)
-    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    result = pools(run.parallelism.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, schedule)
 
 
 def test_flush_holds_one_version(pools: Callable[[int], LocalPool]) -> None:
-    run = dataclasses.replace(_config("2bw", 2), schedule="1f1b")
-    result = pools(run.world_size).run(run)
+    run = dataclasses.replace(_config("2bw", 2), schedule_name="1f1b")
+    result = pools(run.parallelism.world_size).run(run)
     assert _versions(result) == [1, 1]
 
 
 def test_trace_names_each_actions_version(pools: Callable[[int], LocalPool]) -> None:
     run = _config("pipedream", 2, sliced=True)
-    trace = pools(run.world_size).run(run).trace
+    trace = pools(run.parallelism.world_size).run(run).trace
     compute = trace[trace.kind.isin(["F", "B"])]
     # Stage 0 runs minibatch t on version max(0, t - 1); stage 1 (the last) on version t.
     got = set(zip(compute.stage.tolist(), compute.b.tolist(), compute.v.tolist(), strict=True))
@@ -157,19 +172,41 @@ def test_trace_names_each_actions_version(pools: Callable[[int], LocalPool]) -> 
 
 def test_bad_input_is_refused_before_any_work() -> None:
     with pytest.raises(ValueError, match=r"pipedream given plan .* 2 batch slices"):
-        RunConfig(schedule="pipedream", n_stages=2, batch=2, seq_len=16, grad_clip=0.0, slicing=1)
+        RunConfig(
+            schedule_name="pipedream",
+            parallelism=Parallelism(n_stages=2),
+            data=Data(batch=2, seq_len=16),
+            optim=Optim(grad_clip=0.0),
+            slicing=1,
+        )
     with pytest.raises(ValueError, match=r"2bw with m=2 microbatches .* 4 stages"):
-        RunConfig(schedule="2bw", n_stages=4, batch=2, seq_len=16, grad_clip=0.0, slicing=1)
+        RunConfig(
+            schedule_name="2bw",
+            parallelism=Parallelism(n_stages=4),
+            data=Data(batch=2, seq_len=16),
+            optim=Optim(grad_clip=0.0),
+            slicing=1,
+        )
     with pytest.raises(ValueError, match=r"vertical_sync=True with schedule '2bw'"):
-        RunConfig(schedule="2bw", vertical_sync=True, n_stages=2, batch=2, seq_len=16)
+        RunConfig(
+            schedule_name="2bw",
+            vertical_sync=True,
+            parallelism=Parallelism(n_stages=2),
+            data=Data(batch=2, seq_len=16),
+        )
     with pytest.raises(ValueError, match=r"grad_clip=1\.0: clipping to the global gradient norm"):
-        RunConfig(schedule="2bw", n_stages=2, batch=2, seq_len=16, grad_clip=1.0)
+        RunConfig(
+            schedule_name="2bw",
+            parallelism=Parallelism(n_stages=2),
+            data=Data(batch=2, seq_len=16),
+            optim=Optim(grad_clip=1.0),
+        )
 
 
 def test_text_data_trains_the_same_rule(pools: Callable[[int], LocalPool]) -> None:
     # Byte-level text of the standard library, as the statistical-efficiency runs use.
-    run = _config("2bw", 2, data="stdlib", model_overrides=(("vocab_size", 256),))
-    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    run = _config("2bw", 2, source="stdlib", model_overrides=(("vocab_size", 256),))
+    result = pools(run.parallelism.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, "2bw")
     assert result.losses[0] > result.losses[-1]  # text, unlike random ids, is learnable
 
@@ -181,5 +218,5 @@ def test_recomputation_matches_update_rule(
 ) -> None:
     # The recomputed forward must run on the unit's stashed version, not the latest.
     run = _config(schedule, k, sliced=True, recompute="full")
-    result = pools(run.world_size).run(run, Hooks(collect_params=True))
+    result = pools(run.parallelism.world_size).run(run, Hooks(collect_params=True))
     _check(run, result, schedule)

@@ -58,11 +58,15 @@ from tplib.nn.model import GPTStage, build_model
 from tplib.nn.slicing import full_batch_loss, run_pipeline_local
 from tplib.plan import Plan
 from tplib.runtime import (
+    Data,
     Hooks,
     LocalPool,
+    Optim,
+    Parallelism,
     ReferenceResult,
     RunConfig,
     RunResult,
+    Timing,
     train_reference,
 )
 
@@ -93,40 +97,37 @@ def _config(
     precision: str = "fp32",
     n_op: int = 1,
     schedule: str = "terapipe",
-    **fields: object,
+    slicing: Plan | int | None = None,
+    steps: int = 5,
+    recompute: str = "none",
 ) -> RunConfig:
     if precision == "fp16" and device != "cuda":
         pytest.skip("fp16 needs CUDA (fp16 weights are for GPUs); the rehearsal skips it")
-    options: dict[str, object] = {
-        "model": "tiny",
-        "schedule": schedule,
-        "n_stages": 2,
-        "n_op": n_op,
-        "batch": 2,
-        "seq_len": SEQ_LEN,
-        "slicing": SCHEDULE_PLANS[schedule],
-        "steps": 5,
-        "lr": 1e-3,
+    return RunConfig(
+        model="tiny",
+        schedule_name=schedule,
+        parallelism=Parallelism(n_stages=2, n_op=n_op),
+        data=Data(batch=2, seq_len=SEQ_LEN),
+        slicing=SCHEDULE_PLANS[schedule] if slicing is None else slicing,
+        timing=Timing(steps=steps, timeout_s=120),
         # The attention key bias has an exactly-zero gradient in exact arithmetic, so
         # both sides hold rounding noise there; eps=1e-6 keeps Adam from blowing that
         # noise up to steps of ~lr (as in tests/test_runtime.py).
-        "adam_eps": 1e-6,
-        "device": device,
-        "precision": precision,
-        "timeout_s": 120,
-    }
-    options.update(fields)
-    return RunConfig(**options)  # type: ignore[arg-type]
+        optim=Optim(lr=1e-3, adam_eps=1e-6),
+        device=device,
+        precision=precision,
+        recompute=recompute,
+    )
 
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
     # The last stage's LM head is the model's tied token embedding.
-    last = stage == run.n_stages - 1
+    last = stage == run.parallelism.n_stages - 1
     return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
 def _check_coverage(run: RunConfig, result: RunResult, ref: ReferenceResult) -> None:
-    assert len(result.losses) == len(ref.losses) == run.steps
+    assert len(result.losses) == len(ref.losses) == run.timing.steps
     covered = {_model_name(run, s, n) for s, n in result.grads()}
     assert covered == set(ref.grads), "every parameter lives on exactly one stage"
     assert {_model_name(run, s, n) for s, n in result.params()} == set(ref.params)
@@ -150,7 +151,7 @@ def _check_fp32(run: RunConfig, result: RunResult, tol: float) -> None:
             ref.params[_model_name(run, stage, name)],
             rtol=tol,
             atol=tol,
-            msg=_prefixed(f"param {name} after {run.steps} steps"),
+            msg=_prefixed(f"param {name} after {run.timing.steps} steps"),
         )
 
 
@@ -168,7 +169,7 @@ def _check_mixed(
     for i, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):
         assert math.isfinite(got) and abs(got - want) <= loss_rel * abs(want), (i, got, want)
     for (_, name), p in result.params().items():
-        assert torch.isfinite(p).all(), f"param {name} after {run.steps} steps is not finite"
+        assert torch.isfinite(p).all(), f"param {name} after {run.timing.steps} steps is not finite"
     if not grads:
         return ref
     errors = {
@@ -242,7 +243,7 @@ def test_fp32_on_cuda_matches_the_cpu_reference(
     shared_gpu: Callable[[int], LocalPool], schedule: str, n_op: int, recompute: str
 ) -> None:
     run = _config(device=DEVICE, schedule=schedule, n_op=n_op, recompute=recompute)
-    result = shared_gpu(run.world_size).run(run, COLLECT)
+    result = shared_gpu(run.parallelism.world_size).run(run, COLLECT)
     source = "allocator" if DEVICE == "cuda" else "counted"
     assert all(r.memory is not None and r.memory.source == source for r in result.ranks)
     _check_fp32(run, result, tol=1e-4)
@@ -261,7 +262,7 @@ def test_mixed_precision_on_cuda_is_close_to_fp32(
     shared_gpu: Callable[[int], LocalPool], precision: str, schedule: str, n_op: int
 ) -> None:
     run = _config(device=DEVICE, precision=precision, schedule=schedule, n_op=n_op)
-    result = shared_gpu(run.world_size).run(run, COLLECT)
+    result = shared_gpu(run.parallelism.world_size).run(run, COLLECT)
     skipped = {r.steps_skipped for r in result.ranks}
     assert len(skipped) == 1, f"ranks skipped different numbers of steps: {skipped}"
     n_skipped = skipped.pop()
@@ -269,7 +270,7 @@ def test_mixed_precision_on_cuda_is_close_to_fp32(
         assert n_skipped == 0  # no loss scale, nothing to skip
     else:
         # Only the initial 2**16 scale may overflow, once; then it is halved.
-        assert n_skipped <= 1, f"fp16 skipped {n_skipped} of {run.steps} steps"
+        assert n_skipped <= 1, f"fp16 skipped {n_skipped} of {run.timing.steps} steps"
     # Gradients are collected in the first iteration: if that one overflowed (and was
     # skipped) they hold inf/NaN and say nothing about precision.
     first_finite = all(torch.isfinite(g).all() for g in result.grads().values())

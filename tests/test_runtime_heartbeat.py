@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch.distributed as dist
 
-from tplib.runtime import RunConfig
+from tplib.runtime import Data, Parallelism, RunConfig, Timing
 from tplib.runtime.heartbeat import (
     Beat,
     Heartbeat,
@@ -24,7 +24,12 @@ from tplib.runtime.heartbeat import (
 from tplib.runtime.rank import Progress
 from tplib.schedule import Kind
 
-RUN = RunConfig(n_stages=2, batch=2, seq_len=64, slicing=16, steps=20, timeout_s=5)
+RUN = RunConfig(
+    parallelism=Parallelism(n_stages=2),
+    data=Data(batch=2, seq_len=64),
+    slicing=16,
+    timing=Timing(steps=20, timeout_s=5),
+)
 FAST = 0.02  # a heartbeat period for tests
 
 
@@ -86,7 +91,7 @@ def test_watch_names_the_rank_that_stopped_writing() -> None:
 
 
 def _position(stage: int, kind: Kind, b: int, t: int) -> int:
-    actions = RUN.schedule_data.actions[stage]
+    actions = RUN.schedule.actions[stage]
     return next(i for i, a in enumerate(actions) if (a.kind, a.b, a.t) == (kind, b, t))
 
 
@@ -108,8 +113,12 @@ def test_the_message_names_the_silent_rank_and_what_it_was_doing() -> None:
 
 
 def test_many_silent_ranks_are_listed_up_to_eight() -> None:
-    run = RunConfig(n_stages=2, n_data=8, batch=16, seq_len=16, timeout_s=5)
-    beats = [Beat(1, 0, Progress.SETUP)] * run.world_size
+    run = RunConfig(
+        parallelism=Parallelism(n_stages=2, n_data=8),
+        data=Data(batch=16, seq_len=16),
+        timing=Timing(timeout_s=5),
+    )
+    beats = [Beat(1, 0, Progress.SETUP)] * run.parallelism.world_size
     silent = list(range(1, 13))
     message = lost_message(run, 0, (0, Progress.SETUP), RuntimeError(), beats, silent, 4)
     lines = message.splitlines()
@@ -134,6 +143,10 @@ def test_every_rank_still_reporting_says_what_each_does() -> None:
 
 @pytest.mark.parametrize("world", [9, 40])
 def test_a_large_job_lists_eight_ranks_doing(world: int) -> None:
-    run = RunConfig(n_stages=1, n_data=world, batch=world, seq_len=16, timeout_s=5)
+    run = RunConfig(
+        parallelism=Parallelism(n_stages=1, n_data=world),
+        data=Data(batch=world, seq_len=16),
+        timing=Timing(timeout_s=5),
+    )
     lines = doing_message(run, [Beat(1, 0, Progress.IDLE)] * world).splitlines()
     assert len(lines) == 10 and lines[-1] == f"  and {world - 8} more ranks"

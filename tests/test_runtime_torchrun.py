@@ -8,7 +8,7 @@ interface. A K = 2 pipeline and a K = 2 x #Op = 2 layout (two ranks per node) tr
 and must match the single-process reference; rank 0 writes the results file atomically.
 
 A node whose torchrun never starts ends at torchrun's rendezvous (``join_timeout``), and a
-node whose worker never joins ends the run within ``RunConfig.timeout_s`` with
+node whose worker never joins ends the run within ``Timing.timeout_s`` with
 :class:`~tplib.runtime.torchrun.MissingRanksError` naming the ranks waited for.
 
 The namespaces need root and iproute2's ``ip``; without them those tests skip, saying why.
@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tplib.runtime import RunConfig, save_run_config, train_reference
+from tplib.runtime import Data, Parallelism, RunConfig, Timing, save_run_config, train_reference
 from tplib.runtime.backend import BackendError
 from tplib.runtime.heartbeat import Beat, Heartbeat, RankLostError
 from tplib.runtime.rank import Progress, spans
@@ -183,16 +183,21 @@ def _entry(run: RunConfig, run_dir: Path) -> list[str]:
     return ["-m", "tplib.runtime.torchrun", "--config", config, "--out", out, "--collect", "params"]
 
 
-def _tiny(**fields: Any) -> RunConfig:
+def _tiny(parallelism: Parallelism, timeout_s: float = 60, **fields: Any) -> RunConfig:
     """A tiny model's terapipe run: two steps of two sequences of 16 tokens in 2 slices."""
-    base = {"batch": 2, "seq_len": 16, "slicing": 2, "steps": 2, "threads": 1, "timeout_s": 60}
-    return RunConfig(**(base | fields))
+    return RunConfig(
+        parallelism=parallelism,
+        data=Data(batch=2, seq_len=16),
+        slicing=2,
+        timing=Timing(steps=2, threads=1, timeout_s=timeout_s),
+        **fields,
+    )
 
 
 LAYOUTS = {
-    "K2": _tiny(n_stages=2),
+    "K2": _tiny(Parallelism(n_stages=2)),
     # #Op inside a node, the pipeline across nodes: stage 0 on node 0, stage 1 on node 1.
-    "K2xOp2": _tiny(n_stages=2, n_op=2, ranks_per_node=2),
+    "K2xOp2": _tiny(Parallelism(n_stages=2, n_op=2, ranks_per_node=2)),
 }
 
 
@@ -206,7 +211,8 @@ def test_two_nodes_train_what_one_process_trains(
         entry = _entry(run, tmp_path / layout)
         for n, host in enumerate(hosts):
             nodes.start(
-                f"{layout}-node{n}", host.torchrun(head, PORT + i, run.world_size // 2, *entry)
+                f"{layout}-node{n}",
+                host.torchrun(head, PORT + i, run.parallelism.world_size // 2, *entry),
             )
     # The reference depends on the model, the batch and the optimiser, not on the layout.
     ref = train_reference(LAYOUTS["K2"])
@@ -218,7 +224,8 @@ def test_two_nodes_train_what_one_process_trains(
         result = load_result(tmp_path / layout / "result.pt")
         assert result.config == run
         assert [(r.rank, r.stage, r.op_rank) for r in result.ranks] == [
-            (rank, *run.position(rank)[1:]) for rank in range(run.world_size)
+            (rank, *run.parallelism.position(rank)[1:])
+            for rank in range(run.parallelism.world_size)
         ], layout
         # What tests/test_runtime.py asks of every layout on one machine.
         _close(result.losses, ref.losses, f"{layout} losses", atol=1e-5)
@@ -228,7 +235,9 @@ def test_two_nodes_train_what_one_process_trains(
         for (stage, name), p in params.items():
             what = f"{layout} parameter {name} after the steps"
             _close_tensor(p, ref.params[_model_name(run, stage, name)], what)
-        assert f"backend gloo: {run.world_size} ranks on CPU" in nodes.log(f"{layout}-node0")
+        assert f"backend gloo: {run.parallelism.world_size} ranks on CPU" in nodes.log(
+            f"{layout}-node0"
+        )
 
 
 def _close_tensor(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -237,7 +246,7 @@ def _close_tensor(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
     # A last stage's LM head is the model's tied token embedding.
-    last = stage == run.n_stages - 1
+    last = stage == run.parallelism.n_stages - 1
     return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
 
 
@@ -270,9 +279,9 @@ def test_a_worker_that_never_joins_is_named_within_the_timeout(
     hosts: tuple[Host, Host], nodes: Nodes, tmp_path: Path
 ) -> None:
     """Node 1 joins the rendezvous, but its worker never joins the job (it sleeps): node 0
-    fails within RunConfig.timeout_s naming the rank, node and stage it waited for."""
+    fails within Timing.timeout_s naming the rank, node and stage it waited for."""
     head, other = hosts
-    run = _tiny(n_stages=2, timeout_s=2)
+    run = _tiny(Parallelism(n_stages=2), timeout_s=2)
     entry = _entry(run, tmp_path / "run")
     start = time.monotonic()
     nodes.start("node0", head.torchrun(head, PORT + 20, 1, *entry))
@@ -281,9 +290,9 @@ def test_a_worker_that_never_joins_is_named_within_the_timeout(
     elapsed = time.monotonic() - start
     log = nodes.log("node0")
     assert code != 0, log[-3000:]
-    assert (
-        f"MissingRanksError: rank 0 of 2 waited 2 s (RunConfig.timeout_s) at {head.addr}:" in log
-    ), log[-3000:]
+    assert f"MissingRanksError: rank 0 of 2 waited 2 s (Timing.timeout_s) at {head.addr}:" in log, (
+        log[-3000:]
+    )
     assert "for rank(s) 1 (node(s) 1, stage(s) 1) to join; they never arrived" in log
     assert elapsed < 45, f"{elapsed:.1f} s for a 2 s timeout"
     assert not (tmp_path / "run" / "result.pt").exists()
@@ -299,8 +308,12 @@ def test_spans_compacts_consecutive_ranks() -> None:
 
 def test_await_every_rank_names_the_missing_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks 0 and 1 (node 0, stage 0) arrived, ranks 2-3 (node 1, stage 1) never do."""
-    run = RunConfig(n_stages=2, n_op=2, ranks_per_node=2, batch=2, seq_len=16, timeout_s=1)
-    timeout = datetime.timedelta(seconds=run.timeout_s)
+    run = RunConfig(
+        parallelism=Parallelism(n_stages=2, n_op=2, ranks_per_node=2),
+        data=Data(batch=2, seq_len=16),
+        timing=Timing(timeout_s=1),
+    )
+    timeout = datetime.timedelta(seconds=run.timing.timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     _await_every_rank(run, timeout)  # not under torchrun: nothing to wait for here
@@ -313,7 +326,7 @@ def test_await_every_rank_names_the_missing_ranks(monkeypatch: pytest.MonkeyPatc
     start = time.monotonic()
     with pytest.raises(
         MissingRanksError,
-        match=r"rank 0 of 4 waited 1 s \(RunConfig.timeout_s\) at 127.0.0.1:\d+ for rank\(s\) "
+        match=r"rank 0 of 4 waited 1 s \(Timing.timeout_s\) at 127.0.0.1:\d+ for rank\(s\) "
         r"2-3 \(node\(s\) 1, stage\(s\) 1\) to join",
     ):
         _await_every_rank(run, timeout)
@@ -365,7 +378,7 @@ def test_ranks_compare_gpu_uuids_in_the_agents_store(
     monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _FakeProperties("GPU-a"))
     agent_store.set("tplib/arrived/0/0", other_gpu)
-    run = _tiny(n_stages=2, device="cuda", precision="fp32")
+    run = _tiny(Parallelism(n_stages=2), device="cuda", precision="fp32")
     choice = _backend(run, asked, datetime.timedelta(seconds=5))
     assert choice.backend == backend and made_current == [0]
     assert agent_store.get("tplib/arrived/0/1") == b"GPU-a"  # what rank 0 compares
@@ -381,7 +394,7 @@ def test_a_rank_that_stopped_reporting_is_named(
     """Rank 1's receive broke; rank 0 wrote last at action 5 of iteration 2, then nothing:
     the error names it. Once rank 0 writes again, rank 1's own error stands, with what
     every rank is doing."""
-    run = _tiny(n_stages=2)
+    run = _tiny(Parallelism(n_stages=2))
     agent_store.set("tplib/progress/0/0", Beat(4, 1, 4).encode())
     agent_store.set("tplib/progress/0/1", Beat(9, 1, 7).encode())  # this rank's, never moves
     progress = Progress.local(2)

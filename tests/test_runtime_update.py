@@ -15,7 +15,7 @@ from torch import Tensor
 from tplib.nn.data import synthetic_batch
 from tplib.nn.model import build_model
 from tplib.nn.wgrad import main_grad
-from tplib.runtime.runconfig import RunConfig
+from tplib.runtime.runconfig import Data, Parallelism, RunConfig
 from tplib.runtime.update import Update
 
 
@@ -31,7 +31,13 @@ class _OneRank:
 
 
 def _update(precision: str, lo: int, hi: int) -> Update:
-    run = RunConfig(model="tiny", n_stages=2, precision=precision, device="cuda", seq_len=16)
+    run = RunConfig(
+        model="tiny",
+        parallelism=Parallelism(n_stages=2),
+        precision=precision,
+        device="cuda",
+        data=Data(seq_len=16),
+    )
     dtype = torch.float16 if precision == "fp16" else torch.float32
     stage = build_model(run.cfg, lo, hi, seed=3, dtype=dtype)
     return Update(run, stage, _OneRank())  # type: ignore[arg-type]

@@ -11,13 +11,18 @@ import torch
 
 from tplib.paper import GPIPE, TERAPIPE, ablation_rows, main_row
 from tplib.runs.settings import Launch, run_on_nodes, setting_run
-from tplib.runtime import RunConfig, save_run_config, train_reference
+from tplib.runtime import Data, Parallelism, RunConfig, Timing, save_run_config, train_reference
 from tplib.runtime.torchrun import load_result
 from tplib.tables import run_table
 from tplib.tables.nodes import run_settings
 
 TINY = RunConfig(
-    model="tiny", schedule="terapipe", n_stages=2, batch=2, seq_len=16, slicing=4, steps=3
+    model="tiny",
+    schedule_name="terapipe",
+    parallelism=Parallelism(n_stages=2),
+    data=Data(batch=2, seq_len=16),
+    slicing=4,
+    timing=Timing(steps=3),
 )
 
 
@@ -58,7 +63,7 @@ def test_setting_rows_come_from_the_runs_results(tmp_path: Path) -> None:
     # The configs it wrote are setting (9)'s, as a cluster job would run them.
     written = setting_run(9, plan="gpipe", steps=3)
     assert (tmp_path / "setting9-gpipe.json").read_text().count('"n_op": 4') == 1
-    assert written.world_size == 384
+    assert written.parallelism.world_size == 384
 
 
 def test_measure_mode_needs_settings_and_launch_together() -> None:
@@ -95,7 +100,7 @@ def test_ablation_rows_come_from_the_runs_results(tmp_path: Path) -> None:
         tag = "setting8-" + name.replace("#Slices=", "slices")
         assert latency == load_result(tmp_path / f"{tag}.pt").median_latency_s
         written = (tmp_path / f"{tag}.json").read_text()
-        assert '"n_op": 8' in written and '"schedule": "terapipe"' in written
+        assert '"n_op": 8' in written and '"schedule_name": "terapipe"' in written
     # The uniform rows' configs carry the paper's uniform plans for setting (8).
     assert '"slicing": "[(1, [512] * 4)] * 8"' in (tmp_path / "setting8-slices4.json").read_text()
     assert sorted(df["rank"]) == sorted(df.latency.rank(method="min").astype(int))

@@ -12,8 +12,9 @@ The front door: the nouns and verbs a user starts with, each loaded on first use
     tplib.simulate(schedule, costs).latency                # its iteration, simulated
     tplib.autoplan("GPT3-1B", 192, 128)                    # or search the whole layout
     run = tplib.setting_run(9)                             # the setting, as a run
-    tplib.launch(tplib.RunConfig(model="tiny", schedule="terapipe", n_stages=2,
-                                 slicing=4))               # a run on local processes
+    pipe = tplib.Parallelism(n_stages=2)                   # #Pipe = 2 (#Data, #Op: 1)
+    tplib.launch(tplib.RunConfig(model="tiny", schedule_name="terapipe",
+                                 parallelism=pipe, slicing=4))  # a run on local processes
     tplib.run_table("main_results", "simulate")            # a paper table, reproduced
 
 Everything else lives in the subpackages the README's layout table names.
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from tplib.plan import Plan
     from tplib.planner import plan_slices
     from tplib.runs import setting_run
-    from tplib.runtime import RunConfig, launch
+    from tplib.runtime import Parallelism, RunConfig, launch
     from tplib.schedule import Schedule, make_schedule
     from tplib.search.layout import autoplan
     from tplib.sim.simulate import simulate, simulate_schedule
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "ClusterCostModel": "tplib.cluster",
     "GPTConfig": "tplib.nn.configs",
+    "Parallelism": "tplib.runtime",
     "Plan": "tplib.plan",
     "Profile": "tplib.perfmodel",
     "RunConfig": "tplib.runtime",
@@ -63,6 +65,7 @@ _EXPORTS = {
 __all__ = [
     "ClusterCostModel",
     "GPTConfig",
+    "Parallelism",
     "Plan",
     "Profile",
     "RunConfig",

@@ -48,9 +48,9 @@ def autoplan_command(args: argparse.Namespace) -> int:
     if args.out:
         from tplib.runs.partitioned import search_run
         from tplib.runs.settings import launch_commands
-        from tplib.runtime import save_run_config
+        from tplib.runtime import Timing, save_run_config
 
-        run = search_run(search, steps=args.steps, warmup=args.warmup)
+        run = search_run(search, timing=Timing(steps=args.steps, warmup=args.warmup))
         save_run_config(run, args.out)
         commands = launch_commands(run, args.out, args.result)
         if not args.json:

@@ -26,37 +26,40 @@ def _json_arg(text: str | None, what: str) -> dict[str, Any]:
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from tplib.runtime import RunConfig, bench  # starts processes: import only when asked
+    from tplib.runtime import (  # starts processes: import only when asked
+        Data,
+        Parallelism,
+        RunConfig,
+        Timing,
+        bench,
+    )
     from tplib.runtime.pool import local_backend
 
     if args.schedule == "gpipe" and args.slices != 1:
         raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
     run = RunConfig(
         model=args.model,
-        schedule=args.schedule,
-        n_stages=args.stages,
-        n_data=args.data,
-        n_op=args.op,
+        schedule_name=args.schedule,
+        parallelism=Parallelism(n_stages=args.stages, n_data=args.data, n_op=args.op),
         recompute=args.recompute,
         precision=args.dtype,
         device=args.device,
-        batch=args.batch,
-        seq_len=args.seq_len,
+        data=Data(batch=args.batch, seq_len=args.seq_len),
         slicing=args.slices,
-        steps=args.iters,
-        warmup=args.warmup,
-        timeout_s=args.timeout,
-        threads=args.threads or 0,
+        timing=Timing(
+            steps=args.iters, warmup=args.warmup, timeout_s=args.timeout, threads=args.threads or 0
+        ),
     )
     choice = local_backend(run, args.backend)  # refused here, before any process starts
     result = bench(run, backend=choice.backend)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
+    par, data = run.parallelism, run.data
     print(
-        f"{run.schedule}: {run.model}, K={run.n_stages}, #Data={run.n_data}, #Op={run.n_op}, "
-        f"B={run.batch}, L={run.seq_len}, recompute={run.recompute}, {run.precision} on "
-        f"{run.device}, plan {result.plan}"
+        f"{run.schedule_name}: {run.model}, K={par.n_stages}, #Data={par.n_data}, "
+        f"#Op={par.n_op}, B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
+        f"{run.precision} on {run.device}, plan {result.plan}"
     )
     if run.padded_vocab != run.cfg.vocab_size:
         print(f"  vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")
@@ -181,10 +184,12 @@ def run_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
     )
     save_run_config(run, args.out)
+    par = run.parallelism
     print(
-        f"setting ({args.setting}): {run.model}, L={run.seq_len}, B={run.batch}, "
-        f"#Data={run.n_data} x #Pipe={run.n_stages} x #Op={run.n_op} = {run.world_size} GPUs, "
-        f"{run.precision}, recompute={run.recompute}, {run.schedule} plan {run.plan.to_paper()}"
+        f"setting ({args.setting}): {run.model}, L={run.data.seq_len}, B={run.data.batch}, "
+        f"#Data={par.n_data} x #Pipe={par.n_stages} x #Op={par.n_op} = {par.world_size} GPUs, "
+        f"{run.precision}, recompute={run.recompute}, {run.schedule_name} plan "
+        f"{run.plan.to_paper()}"
     )
     if run.padded_vocab != run.cfg.vocab_size:
         print(f"vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")

@@ -174,7 +174,7 @@ def measure_memory(
     measured - 1), source ("allocator" on a GPU, "counted" on CPU)."""
     import pandas as pd
 
-    from tplib.runtime import LocalPool, RunConfig
+    from tplib.runtime import Data, LocalPool, Parallelism, RunConfig, Timing
     from tplib.runtime.benchmark import bench
 
     rows = []
@@ -183,17 +183,14 @@ def measure_memory(
             run = RunConfig(
                 model=model,
                 model_overrides=overrides,
-                schedule=schedule,
-                n_stages=n_stages,
-                batch=batch,
-                seq_len=seq_len,
+                schedule_name=schedule,
+                parallelism=Parallelism(n_stages=n_stages),
+                data=Data(batch=batch, seq_len=seq_len),
                 slicing=_plan(schedule, batch, seq_len, token_slices),
                 recompute=recompute,
                 precision=precision,
                 device=device,
-                steps=1,
-                warmup=1,
-                timeout_s=timeout_s,
+                timing=Timing(steps=1, warmup=1, timeout_s=timeout_s),
             )
             result = bench(run, pool.run(run), backend="gloo")
             for k, (measured, modelled) in enumerate(

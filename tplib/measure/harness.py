@@ -37,7 +37,7 @@ from tplib.perfmodel import Profile, profile_pipeline
 from tplib.perfmodel.contention import Contention, measure_contention
 from tplib.plan import Plan
 from tplib.planner import plan_slices
-from tplib.runtime import LocalPool, RunConfig, RunResult, measure_link
+from tplib.runtime import Data, LocalPool, Parallelism, RunConfig, RunResult, Timing, measure_link
 from tplib.sim.costs import ActionCosts, Link
 from tplib.sim.simulate import SimResult, simulate
 from tplib.util.machine import busy_cores, cpu_count, threads_per_process
@@ -163,8 +163,8 @@ class Bench:
     ) -> Measured:
         """Run ``p`` as ``schedule`` on the pool, beside its simulation with ``costs``
         (default: the profiles' at ``p``'s length). ``options`` are further
-        :class:`~tplib.runtime.RunConfig` fields (``grad_clip``, ``recompute``, ...) or
-        replace its defaults (``steps``, ``warmup``)."""
+        :class:`~tplib.runtime.RunConfig` fields (``optim``, ``recompute``, ...) or
+        replace its defaults (``timing``: the harness's steps and warm-up)."""
         if self.pool is None:
             # Started after profiling: its processes' start-up would disturb the timings.
             self.pool = LocalPool(self.n_stages)
@@ -173,35 +173,35 @@ class Bench:
         fields: dict[str, Any] = {
             "model": self.model,
             "model_overrides": self.overrides,
-            "schedule": schedule,
-            "n_stages": self.n_stages,
-            "batch": p.batch,
-            "seq_len": p.seq_len,
+            "schedule_name": schedule,
+            "parallelism": Parallelism(n_stages=self.n_stages),
+            "data": Data(batch=p.batch, seq_len=p.seq_len),
             "slicing": p,
-            "steps": self.iters,
-            "warmup": self.warmup,
+            "timing": Timing(steps=self.iters, warmup=self.warmup),
         }
         run = RunConfig(**(fields | options))
         costs = costs or self.costs[p.seq_len]
         cores = cpu_count()
         before = busy_cores()
-        if before + run.world_size > cores + 0.5:
+        world = run.parallelism.world_size
+        if before + world > cores + 0.5:
             warnings.warn(
                 f"{before:.1f} of this machine's {cores} cores were busy with other work "
-                f"before this run: its {run.world_size} processes share the rest, and only "
+                f"before this run: its {world} processes share the rest, and only "
                 "the shared-cores simulation can follow. Rerun on a quiet machine.",
                 stacklevel=2,
             )
         result = self.pool.run(run)
         busy = 0.5 * (before + busy_cores())
-        threads = run.threads or threads_per_process(run.world_size)  # as LocalPool sets them
-        schedule_data = run.schedule_data
+        threads = run.timing.threads or threads_per_process(
+            run.parallelism.world_size
+        )  # as LocalPool sets them
         measured = self.contention.get(p.seq_len)
         factors = measured.factors if measured else ()
         shared = simulate_shared(
-            schedule_data, costs, cores=cores, busy=busy, threads=threads, contention=factors
+            run.schedule, costs, cores=cores, busy=busy, threads=threads, contention=factors
         )
-        return Measured(result, shared, simulate(schedule_data, costs), busy, factors)
+        return Measured(result, shared, simulate(run.schedule, costs), busy, factors)
 
     def without_with(self, seq_len: int, pipeline_batch: int, eps: float) -> dict[str, object]:
         """The row of GPipe (microbatches of one sequence) against TeraPipe (the DP's plan)

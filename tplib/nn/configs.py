@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
 __all__ = [
-    "GELUS",
     "MODELS",
     "PRECISIONS",
     "RECOMPUTE_MODES",
     "GPTConfig",
+    "check_numbers",
     "check_op",
     "check_precision",
     "check_recompute",
-    "check_run_numbers",
     "get_config",
+    "is_finite",
+    "is_int_pair",
     "n_params",
     "n_params_per_layer",
     "padded_vocab",
@@ -35,14 +35,16 @@ __all__ = [
 ]
 
 GPT2_VOCAB = 50257
-GELUS = ("tanh", "erf")
+_GELUS = ("tanh", "erf")
 
 
-def _finite(x: object) -> bool:
+def is_finite(x: object) -> bool:
+    """A real number, neither a bool nor inf nor nan."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _int_pair(p: object) -> bool:
+def is_int_pair(p: object) -> bool:
+    """Two integers, as a tuple or a list (a layer range)."""
     return isinstance(p, tuple | list) and len(p) == 2 and all(_integer(x) for x in p)
 
 
@@ -75,10 +77,10 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"GPTConfig.name={self.name!r}: must be a string")
-        if not (_finite(self.dropout) and 0.0 <= self.dropout < 1.0):
+        if not (is_finite(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be in [0, 1)")
-        if self.gelu not in GELUS:
-            raise ValueError(f"GPTConfig.gelu={self.gelu!r}: choose one of {GELUS}")
+        if self.gelu not in _GELUS:
+            raise ValueError(f"GPTConfig.gelu={self.gelu!r}: choose one of {_GELUS}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: must be a bool")
         for field in ("n_layer", "hidden", "n_head", "seq_len", "vocab_size"):
@@ -87,7 +89,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{field}={value!r}: must be a positive integer")
         for field in ("layer_norm_eps", "init_std"):
             value = getattr(self, field)
-            if not (_finite(value) and value > 0):
+            if not (is_finite(value) and value > 0):
                 raise ValueError(f"GPTConfig.{field}={value!r}: must be a finite number > 0")
         if self.hidden % self.n_head:
             raise ValueError(
@@ -227,47 +229,26 @@ def check_precision(precision: str, device: str | None = None) -> None:
         )
 
 
-# ---- the numbers of a run --------------------------------------------------------------
-
-# Each number's type and range, checked before anything uses it, so that a wrong type is
-# named rather than failing in a comparison further on. Integers: (least, most)...
-RUN_INTEGERS = {
-    **dict.fromkeys(("n_stages", "n_data", "n_op", "batch", "seq_len", "steps"), (1, None)),
-    **dict.fromkeys(("warmup", "threads", "ranks_per_node", "lr_warmup_steps"), (0, None)),
-    **dict.fromkeys(("seed", "data_seed"), (0, 2**63 - 1)),  # what torch's generators take
-}
-# ...and finite reals: what must hold of one, and the rule a message says.
-RUN_REALS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "lr": (lambda x: x > 0, "be a finite positive learning rate"),
-    "weight_decay": (lambda x: x >= 0, "be a finite weight decay >= 0"),
-    "adam_eps": (lambda x: x > 0, "be a finite AdamW eps > 0"),
-    "grad_clip": (lambda x: x >= 0, "be a finite norm >= 0 (0: no clipping)"),
-    "min_lr_ratio": (lambda x: 0 <= x <= 1, "lie in [0, 1]: the cosine's floor, a share of lr"),
-    "timeout_s": (lambda x: x > 0, "be positive seconds, finite"),
-}
+# ---- the numbers of a run ------------------------------------------------------------
 
 
-def check_run_numbers(run: Any) -> None:
-    """Raise ``ValueError`` naming the first number of ``run`` (a
-    :class:`~tplib.runtime.RunConfig`) of the wrong type or out of its range."""
-    for name, (least, most) in RUN_INTEGERS.items():
-        n = getattr(run, name)
+def check_numbers(
+    owner: object,
+    integers: Mapping[str, tuple[int, int | None]],
+    reals: Mapping[str, tuple[Callable[[float], bool], str]],
+) -> None:
+    """Raise ``ValueError`` naming the first number of ``owner`` (a part of a
+    :class:`~tplib.runtime.RunConfig`) of the wrong type or out of its range, so that a
+    wrong type is named rather than failing in a comparison further on. ``integers`` give
+    each integer field's (least, most), most None for no bound; ``reals`` each finite
+    real's test and the rule its message says."""
+    what = type(owner).__name__
+    for name, (least, most) in integers.items():
+        n = getattr(owner, name)
         if not _integer(n) or n < least or (most and n > most):
             rule = f"an integer in [{least}, {most}]" if most else f"an integer >= {least}"
             rule = "a positive integer" if least == 1 else rule
-            raise ValueError(f"RunConfig.{name}={n!r} must be {rule}")
-    for name, (holds, rule) in RUN_REALS.items():
-        if not _finite(x := getattr(run, name)) or not holds(x):
-            raise ValueError(f"RunConfig.{name}={x!r} must {rule}")
-    b = run.betas
-    if not (
-        isinstance(b, tuple | list) and len(b) == 2 and all(_finite(x) and 0 <= x < 1 for x in b)
-    ):
-        raise ValueError(f"RunConfig.betas={b!r} must be AdamW's two betas, each in [0, 1)")
-    if not isinstance(run.vertical_sync, bool):
-        raise ValueError(f"RunConfig.vertical_sync={run.vertical_sync!r} must be True or False")
-    r = run.stage_ranges
-    if r is not None and not (isinstance(r, tuple | list) and all(map(_int_pair, r))):
-        raise ValueError(
-            f"RunConfig.stage_ranges={r!r} must be (lo, hi) integer pairs, one per stage"
-        )
+            raise ValueError(f"{what}.{name}={n!r} must be {rule}")
+    for name, (holds, rule) in reals.items():
+        if not is_finite(x := getattr(owner, name)) or not holds(x):
+            raise ValueError(f"{what}.{name}={x!r} must {rule}")

@@ -42,7 +42,7 @@ def training_batch(
     if source == "stdlib":
         if cfg.vocab_size < 256:
             raise ValueError(
-                f"data='stdlib' is bytes (256 token ids) but the model's vocab_size is "
+                f"data source 'stdlib' is bytes (256 token ids) but the model's vocab_size is "
                 f"{cfg.vocab_size}: override vocab_size to at least 256"
             )
         _check_length(cfg, seq_len)

@@ -112,7 +112,7 @@ def _decay_all(param: Tensor) -> bool:
     return True
 
 
-# RunConfig.weight_decay_params names these (tplib.runtime.runconfig.WEIGHT_DECAY_PARAMS).
+# Optim.weight_decay_params names these (tplib.runtime.runconfig.WEIGHT_DECAY_PARAMS).
 DECAY_RULES: dict[str, Decay] = {"matrices": is_matrix, "all": _decay_all}
 
 

@@ -9,7 +9,7 @@ embeddings and the LM head make the end cells take fewer blocks), or any sequenc
 non-negative numbers.
 
 A cell is a layer range ``[lo, hi)`` as everywhere in tplib, so the result is directly a
-runtime's ``RunConfig(stage_ranges=...)``.
+runtime's ``Parallelism(stage_ranges=...)``, a run's layout.
 """
 
 from __future__ import annotations

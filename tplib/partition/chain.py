@@ -8,7 +8,7 @@ of an #Op group, with the model's two ends folded into its first and last layer:
 carries the embeddings, layer N-1 the final LayerNorm, the LM head and the loss. That
 makes the first and last stages heavier, as they are, and keeps every cut a cut of the
 runtime's stages (a stage is a layer range ``[lo, hi)``, :mod:`tplib.nn.layer_ranges`), so a
-planner's partition runs as ``RunConfig(stage_ranges=...)``.
+planner's partition runs as ``Parallelism(stage_ranges=...)``, a run's layout.
 
 Two sources build a chain:
 

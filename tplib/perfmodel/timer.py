@@ -40,7 +40,7 @@ from tplib.perfmodel.profile import (
     grid_steps,
 )
 from tplib.plan import Unit
-from tplib.runtime.runconfig import RunConfig
+from tplib.runtime.runconfig import Optim
 from tplib.runtime.update import stage_optimizer
 
 __all__ = ["StageTimer"]
@@ -273,7 +273,7 @@ class StageTimer:
         back into the fp16 weights), and zeroing the gradient buffers, which stay
         allocated."""
         params = [p for p in self.stage.parameters() if p.requires_grad]
-        opt = stage_optimizer(params, self.precision, RunConfig)
+        opt = stage_optimizer(params, self.precision, Optim())
         buffers = [b for b in map(grad_buffer, params) if b is not None]
         times = []
         for _ in range(repeats + 1):  # the first step allocates AdamW's state: not timed

@@ -22,17 +22,19 @@ from tplib.nn.configs import get_config
 from tplib.partition.pipedream import PipeDreamPlan
 from tplib.partition.twobw import TwoBWConfig
 from tplib.plan import Plan
-from tplib.runtime.runconfig import RunConfig
+from tplib.runtime.runconfig import Data, Optim, Parallelism, RunConfig
 from tplib.search.layout import Candidate, Search
 
 __all__ = ["pipedream_run", "search_run", "twobw_run"]
 
 GPUS_PER_NODE = 8  # p3.16xlarge, the cluster the search prices
+# Asynchronous schedules do not clip the global gradient norm (RunConfig says why).
+NO_CLIPPING = Optim(grad_clip=0.0)
 
 
 def search_run(search: Search, candidate: Candidate | None = None, **fields: Any) -> RunConfig:
     """The run of ``candidate`` (default: the best) of a layout search; ``fields`` set
-    the rest of the :class:`RunConfig` (steps, device, ...)."""
+    the rest of the :class:`RunConfig` (``timing``, ``device``, ...)."""
     c = candidate or search.best
     if not c.plan:
         raise ValueError(
@@ -45,42 +47,44 @@ def search_run(search: Search, candidate: Candidate | None = None, **fields: Any
     return RunConfig(
         model=search.model,
         model_overrides=(("seq_len", search.seq_len),) if longer else (),
-        schedule="terapipe",
-        n_stages=lay.n_stages,
-        n_data=lay.n_data,
-        n_op=lay.n_op,
-        batch=search.batch,
-        seq_len=search.seq_len,
+        schedule_name="terapipe",
+        parallelism=Parallelism(
+            n_stages=lay.n_stages,
+            n_data=lay.n_data,
+            n_op=lay.n_op,
+            ranks_per_node=GPUS_PER_NODE if search.n_gpus > GPUS_PER_NODE else 0,
+        ),
+        data=Data(batch=search.batch, seq_len=search.seq_len),
         slicing=Plan.from_paper(c.plan),
         recompute=lay.recompute,
-        ranks_per_node=GPUS_PER_NODE if search.n_gpus > GPUS_PER_NODE else 0,
         **(defaults | fields),
     )
 
 
 def twobw_run(config: TwoBWConfig, model: str, seq_len: int, **fields: Any) -> RunConfig:
-    """The run of a 2BW configuration for ``model`` at ``seq_len`` tokens."""
+    """The run of a 2BW configuration for ``model`` at ``seq_len`` tokens; ``fields``
+    set the rest of the :class:`RunConfig` (an ``optim`` given must not clip)."""
     b, g = config.microbatch, config.accumulation
     plan = Plan((b,) * g, ((seq_len,),) * g)
     return RunConfig(
         model=model,
-        schedule="2bw",
-        n_stages=config.depth,
-        n_data=config.width,
-        batch=config.width * b * g,
-        seq_len=seq_len,
+        schedule_name="2bw",
+        parallelism=Parallelism(
+            n_stages=config.depth, n_data=config.width, stage_ranges=config.stage_ranges
+        ),
+        data=Data(batch=config.width * b * g, seq_len=seq_len),
         slicing=plan,
-        stage_ranges=config.stage_ranges,
         recompute="full" if config.recompute else "none",
-        grad_clip=0.0,  # asynchronous schedules do not clip (RunConfig says why)
-        **fields,
+        **({"optim": NO_CLIPPING} | fields),
     )
 
 
 def pipedream_run(
     plan: PipeDreamPlan, model: str, seq_len: int, microbatch: int, **fields: Any
 ) -> RunConfig:
-    """The run of a PipeDream partition with minibatches of ``microbatch`` sequences."""
+    """The run of a PipeDream partition with minibatches of ``microbatch`` sequences;
+    ``fields`` set the rest of the :class:`RunConfig` (an ``optim`` given must not
+    clip)."""
     replicated = [s for s in plan.stages if s.replicas > 1]
     if replicated:
         which = ", ".join(f"[{s.lo}, {s.hi}) on {s.replicas}" for s in replicated)
@@ -91,12 +95,9 @@ def pipedream_run(
         )
     return RunConfig(
         model=model,
-        schedule="pipedream",
-        n_stages=len(plan.stages),
-        batch=microbatch,
-        seq_len=seq_len,
+        schedule_name="pipedream",
+        parallelism=Parallelism(n_stages=len(plan.stages), stage_ranges=plan.stage_ranges),
+        data=Data(batch=microbatch, seq_len=seq_len),
         slicing=Plan((microbatch,), ((seq_len,),)),
-        stage_ranges=plan.stage_ranges,
-        grad_clip=0.0,
-        **fields,
+        **({"optim": NO_CLIPPING} | fields),
     )

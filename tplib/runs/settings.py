@@ -25,7 +25,7 @@ from typing import Any
 from tplib.paper import TERAPIPE, main_row, seqlen_row, setting
 from tplib.plan import Plan
 from tplib.runtime.result import RunResult
-from tplib.runtime.runconfig import RunConfig
+from tplib.runtime.runconfig import Data, Parallelism, RunConfig, Timing
 from tplib.runtime.runfile import save_run_config
 
 __all__ = [
@@ -103,36 +103,33 @@ def setting_run(
     return RunConfig(
         model=s.model,
         model_overrides=(("seq_len", s.seq_len),) if s.config.seq_len != 2048 else (),
-        schedule="gpipe" if plan == "gpipe" else "terapipe",
-        n_stages=s.n_stages,
-        n_data=s.n_data,
-        n_op=s.n_op,
-        batch=s.batch,
-        seq_len=s.seq_len,
+        schedule_name="gpipe" if plan == "gpipe" else "terapipe",
+        parallelism=Parallelism(
+            n_stages=s.n_stages, n_data=s.n_data, n_op=s.n_op, ranks_per_node=GPUS_PER_NODE
+        ),
+        data=Data(batch=s.batch, seq_len=s.seq_len),
         slicing=p,
         precision=precision,
         recompute=recompute,
         device=device,
-        ranks_per_node=GPUS_PER_NODE,
-        steps=steps,
-        warmup=warmup,
-        timeout_s=timeout_s,
+        timing=Timing(steps=steps, warmup=warmup, timeout_s=timeout_s),
     )
 
 
 def launch_commands(run: RunConfig, config: str, out: str) -> dict[str, str]:
     """How to start ``run`` (saved as ``config``) on its nodes: a torchrun line for
-    every node (a node that has not joined within ``run.timeout_s`` fails the start),
+    every node (a node that has not joined within ``run.timing.timeout_s`` fails the start),
     and the same under SLURM (``scripts/slurm/tplib-run.sbatch``: one
     torchrun per node)."""
-    per_node = run.ranks_per_node or GPUS_PER_NODE
-    nodes = -(-run.world_size // per_node)
+    per_node = run.parallelism.ranks_per_node or GPUS_PER_NODE
+    nodes = -(-run.parallelism.world_size // per_node)
     module = f"-m tplib.runtime.torchrun --config {shlex.quote(config)} --out {shlex.quote(out)}"
     # torchrun waits 600 s for a node that never starts; the run's own timeout is the
     # bound its users set for every other wait.
     torchrun = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-        f"--rdzv-endpoint $HEAD_NODE:29500 --rdzv-conf join_timeout={math.ceil(run.timeout_s)} "
+        f"--rdzv-endpoint $HEAD_NODE:29500 "
+        f"--rdzv-conf join_timeout={math.ceil(run.timing.timeout_s)} "
         f"{module}"
     )
     slurm = (
@@ -199,10 +196,10 @@ class Launch:
         return value if isinstance(value, Launch) else cls(**dict(value))
 
     def command_for(self, run: RunConfig, config: Path, out: Path) -> str:
-        per_node = min(self.nproc_per_node, run.world_size)
+        per_node = min(self.nproc_per_node, run.parallelism.world_size)
         return (self.command or LAUNCHERS[self.launcher]).format(
             python=shlex.quote(sys.executable),
-            nodes=-(-run.world_size // per_node),
+            nodes=-(-run.parallelism.world_size // per_node),
             nproc=per_node,
             config=shlex.quote(str(config)),
             out=shlex.quote(str(out)),

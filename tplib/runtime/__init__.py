@@ -3,7 +3,9 @@
 ================  ====================================================================
 module            what it holds
 ================  ====================================================================
-``runconfig``     :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
+``runconfig``     :class:`RunConfig` (one training run, checked whole), its parts
+                  (:class:`Parallelism`, :class:`Data`, :class:`Optim`, :class:`Timing`)
+                  and :class:`Hooks`
 ``runfile``       a :class:`RunConfig` as JSON, for torchrun jobs and batch scripts
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``groups``        a rank's process groups, its peers between stages, staged collectives
@@ -19,8 +21,8 @@ module            what it holds
 ================  ====================================================================
 
 This is the only place, with :mod:`tplib.runtime.torchrun`, where torch.distributed is
-used. :class:`RunConfig`, :class:`Hooks` and their JSON import without torch; the rest loads on first
-use.
+used. :class:`RunConfig`, its parts, :class:`Hooks` and their JSON import without torch;
+the rest loads on first use.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tplib.runtime.runconfig import Hooks, RunConfig
+from tplib.runtime.runconfig import Data, Hooks, Optim, Parallelism, RunConfig, Timing
 from tplib.runtime.runfile import (
     load_run_config,
     run_config_from_dict,
@@ -63,12 +65,16 @@ _LAZY = {
 __all__ = [
     "TRACE_COLUMNS",
     "BenchResult",
+    "Data",
     "Hooks",
     "LocalPool",
+    "Optim",
+    "Parallelism",
     "RankResult",
     "ReferenceResult",
     "RunConfig",
     "RunResult",
+    "Timing",
     "WorkerError",
     "bench",
     "fit_link",

@@ -71,8 +71,8 @@ def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
             lo,
             hi,
             plan=run.plan,
-            actions=run.schedule_data.actions[k],
-            n_op=run.n_op,
+            actions=run.schedule.actions[k],
+            n_op=run.parallelism.n_op,
             recompute=run.recompute,
             precision=run.precision,
         )
@@ -95,16 +95,16 @@ def bench(
     modelled = [m.total for m in modelled_memory(run)]
     sources = {r.memory.source for r in result.ranks if r.memory is not None}
     return BenchResult(
-        schedule=run.schedule,
+        schedule=run.schedule_name,
         model=run.model,
-        n_stages=run.n_stages,
-        n_data=run.n_data,
-        n_op=run.n_op,
+        n_stages=run.parallelism.n_stages,
+        n_data=run.parallelism.n_data,
+        n_op=run.parallelism.n_op,
         recompute=run.recompute,
         precision=run.precision,
         device=run.device,
-        batch=run.batch,
-        seq_len=run.seq_len,
+        batch=run.data.batch,
+        seq_len=run.data.seq_len,
         n_slices=max(len(ts) for ts in run.plan.token_slices),
         plan=run.plan.to_paper(),
         iterations=len(latencies),

@@ -39,26 +39,28 @@ class RankGroups:
 
     def __init__(self, run: RunConfig, rank: int, device: torch.device) -> None:
         self.run, self.rank = run, rank
-        self.replica, self.stage, self.op_rank = run.position(rank)
+        self.parallelism = parallelism = run.parallelism
+        self.replica, self.stage, self.op_rank = parallelism.position(rank)
         self.staged = device.type == "cuda" and dist.get_backend() == "gloo"
-        k, r, n = run.n_stages, run.n_data, run.n_op
+        k, r, n = parallelism.n_stages, parallelism.n_data, parallelism.n_op
+        rank_of = parallelism.rank_of
 
         def make(ranks: list[int]) -> Group:
             return dist.new_group(ranks) if len(ranks) > 1 else None
 
         ops = {
-            (rep, s): make([run.rank_of(rep, s, o) for o in range(n)])
+            (rep, s): make([rank_of(rep, s, o) for o in range(n)])
             for rep in range(r)
             for s in range(k)
         }
         datas = {
-            (s, o): make([run.rank_of(rep, s, o) for rep in range(r)])
+            (s, o): make([rank_of(rep, s, o) for rep in range(r)])
             for s in range(k)
             for o in range(n)
         }
         tie = run.cfg.tie_embeddings and k > 1
         tieds = {
-            (rep, o): make([run.rank_of(rep, 0, o), run.rank_of(rep, k - 1, o)]) if tie else None
+            (rep, o): make([rank_of(rep, 0, o), rank_of(rep, k - 1, o)]) if tie else None
             for rep in range(r)
             for o in range(n)
         }
@@ -89,48 +91,48 @@ class RankGroups:
 
     def op_group(self) -> OpGroup | None:
         """The model's handle on this stage's #Op group (None without partitioning)."""
-        if self.run.n_op == 1:
+        if self.parallelism.n_op == 1:
             return None
         return OpGroup(
             self.op_rank,
-            self.run.n_op,
+            self.parallelism.n_op,
             all_reduce=lambda t: self.all_reduce(t, self.op),
             all_reduce_max=lambda t: self.all_reduce(t, self.op, dist.ReduceOp.MAX),
         )
 
     def wire(self, action: Action) -> tuple[int, int]:
         """(the op rank of this stage that carries ``action``, the rank at the other end)."""
-        last = self.run.n_op - 1
+        last = self.parallelism.n_op - 1
         rep, k = self.replica, self.stage
         if action.kind is Kind.SA:
-            return last, self.run.rank_of(rep, k + 1, 0)
+            return last, self.parallelism.rank_of(rep, k + 1, 0)
         if action.kind in (Kind.RA, Kind.SG):
-            return 0, self.run.rank_of(rep, k - 1, last)
-        return last, self.run.rank_of(rep, k + 1, 0)  # RG
+            return 0, self.parallelism.rank_of(rep, k - 1, last)
+        return last, self.parallelism.rank_of(rep, k + 1, 0)  # RG
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for a point-to-point message, at most the run's ``timeout_s``; the error
-        says ``what`` was awaited, and whether the peer was slow or gone."""
+        """Wait for a point-to-point message, at most the run's ``timing.timeout_s``; the
+        error says ``what`` was awaited, and whether the peer was slow or gone."""
+        timeout = self.run.timing.timeout_s
         start = time.monotonic()
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.run.timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as exc:
             waited = time.monotonic() - start
             who = f"stage {self.stage} (rank {self.rank})"
-            if waited < 0.9 * self.run.timeout_s:  # gloo gave up early: the link broke
+            if waited < 0.9 * timeout:  # gloo gave up early: the link broke
                 raise ConnectionError(
                     f"{who} lost its peer after {waited:.1f} s of waiting for {what}: the peer "
                     f"exited or its connection broke: {exc}"
                 ) from exc
             raise TimeoutError(
-                f"{who} waited {self.run.timeout_s:g} s for {what}; the peer is stuck or has "
-                f"failed: {exc}"
+                f"{who} waited {timeout:g} s for {what}; the peer is stuck or has failed: {exc}"
             ) from exc
 
     def broadcast_from(self, tensor: Tensor, carrier: int) -> None:
         """Share what op rank ``carrier`` received with the rest of the #Op group."""
         if self.op is not None:
-            src = self.run.rank_of(self.replica, self.stage, carrier)
+            src = self.parallelism.rank_of(self.replica, self.stage, carrier)
             dist.broadcast(tensor, src, group=self.op)
 
 

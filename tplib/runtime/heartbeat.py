@@ -146,7 +146,7 @@ def watch(
 
 
 def _progress(run: RunConfig, beats: Sequence[Beat]) -> Progress:
-    progress = Progress.local(run.world_size)
+    progress = Progress.local(run.parallelism.world_size)
     for r, beat in enumerate(beats):
         progress.set(r, beat.iteration, beat.position)
     return progress

@@ -7,12 +7,13 @@ several runs of the same world size reuse them; that is how the test suite and t
 measured tables stay fast::
 
     with LocalPool(4) as pool:
-        a = pool.run(RunConfig(schedule="gpipe", n_stages=4, batch=4))
-        b = pool.run(RunConfig(schedule="terapipe", n_stages=4, batch=4, slicing=4))
+        four = Parallelism(n_stages=4)
+        a = pool.run(RunConfig(schedule_name="gpipe", parallelism=four, data=Data(batch=4)))
+        b = pool.run(RunConfig(parallelism=four, data=Data(batch=4), slicing=4))  # terapipe
 
 A worker that raises fails the whole run at once with that worker's traceback; the other
-workers are terminated rather than left waiting. Receives time out after
-``RunConfig.timeout_s`` with a message naming the waiting stage and what it waited for.
+workers are terminated rather than left waiting. Receives time out after the run's
+``timing.timeout_s`` with a message naming the waiting stage and what it waited for.
 A worker that dies without a word (SIGKILL, the out-of-memory killer) fails the run
 within a second, with what it was doing (its :class:`~tplib.runtime.rank.Progress`) and
 what every other rank was doing; a worker whose parent dies exits too. The same worker
@@ -119,7 +120,7 @@ def _pool_worker(
         run, hooks = job
         try:
             use_gpu(run.device)
-            torch.set_num_threads(run.threads or threads_per_process(world_size))
+            torch.set_num_threads(run.timing.threads or threads_per_process(world_size))
             results.put(("ok", rank, run_worker(run, rank, hooks, progress)))
             progress.set(rank, 0, Progress.IDLE)
         except BaseException:
@@ -262,7 +263,7 @@ class LocalPool:
         """Run ``run`` on the pool's processes and gather every rank's result."""
         if self._closed:
             raise RuntimeError("this LocalPool is closed (a run failed or close() was called)")
-        run.check_world_size(self.world_size)
+        run.parallelism.check_world_size(self.world_size)
         if run.device != "cuda":  # a CUDA run suits either (the GPUs were checked at start)
             choose_backend(run.device, self.world_size, asked=self.backend)
         self.wait_ready()
@@ -271,7 +272,7 @@ class LocalPool:
             q.put((run, hooks))
         ranks: dict[int, RankResult] = {}
         # A safety net only: every receive already times out on its own after timeout_s.
-        budget = 60.0 + max(run.timeout_s, self.timeout_s) * (run.steps + run.warmup + 2)
+        budget = 60.0 + max(run.timing.timeout_s, self.timeout_s) * (run.timing.iterations + 2)
         deadline = time.monotonic() + budget
         while len(ranks) < self.world_size:
             status, rank, payload = self._next(deadline, f"finish the run within {budget:.0f} s")
@@ -312,14 +313,16 @@ def local_backend(run: RunConfig, asked: str | None = None) -> BackendChoice:
     several ranks sharing one GPU, their tensors staged through host memory); or
     ``asked``, if it can work."""
     count = torch.cuda.device_count() if run.device == "cuda" else 0  # no CUDA for CPU runs
-    gpus = local_gpus(run.device, run.world_size, count)
-    return choose_backend(run.device, run.world_size, gpus, asked)
+    gpus = local_gpus(run.device, run.parallelism.world_size, count)
+    return choose_backend(run.device, run.parallelism.world_size, gpus, asked)
 
 
 def launch(run: RunConfig, hooks: Hooks = Hooks(), backend: str | None = None) -> RunResult:
-    """Start ``run.world_size`` local processes, run, and return the gathered results.
+    """Start ``run.parallelism.world_size`` local processes, run, and return the gathered results.
     ``backend``: "nccl" or "gloo" instead of :func:`local_backend`'s choice (refused
     before any process starts if it cannot work)."""
     choice = local_backend(run, backend)
-    with LocalPool(run.world_size, backend=choice.backend, timeout_s=run.timeout_s) as pool:
+    with LocalPool(
+        run.parallelism.world_size, backend=choice.backend, timeout_s=run.timing.timeout_s
+    ) as pool:
         return pool.run(run, hooks)

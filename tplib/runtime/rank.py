@@ -77,8 +77,8 @@ def spans(values: Sequence[int]) -> str:
 
 def rank_label(run: RunConfig, rank: int) -> str:
     """``rank`` of ``run`` with its place in the layout, as errors name it."""
-    replica, stage, op_rank = run.position(rank)
-    op = f", op rank {op_rank}" if run.n_op > 1 else ""
+    replica, stage, op_rank = run.parallelism.position(rank)
+    op = f", op rank {op_rank}" if run.parallelism.n_op > 1 else ""
     return f"rank {rank} (stage {stage}, replica {replica}{op})"
 
 
@@ -126,11 +126,11 @@ class Progress:
     def describe(self, run: RunConfig, rank: int) -> str:
         """What ``rank`` of ``run`` is doing, in words."""
         iteration, position = self.where(rank)
-        n = run.warmup + run.steps  # counted from 1 below, warm-up included
+        n = run.timing.iterations  # counted from 1 below, warm-up included
         if position < 0:
             return self._PHASES[position].format(i=iteration + 1, n=n)
-        stage = run.position(rank)[1]
-        schedule = run.schedule_data
+        stage = run.parallelism.position(rank)[1]
+        schedule = run.schedule
         actions = schedule.actions[stage]
         action = actions[position]
         unit = f"b{action.b} t{action.t} ({action})"

@@ -49,10 +49,10 @@ def _stage_delays(run: RunConfig) -> tuple[int, ...]:
     """The updates by which each stage's weights lag in ``run``'s update rule, from the
     papers: 2BW 1 on every stage; PipeDream K-1-k on stage k (weight stashing), K-1 on
     every stage with vertical sync; synchronous schedules 0."""
-    k = run.n_stages
-    if run.schedule == "2bw":
+    k = run.parallelism.n_stages
+    if run.schedule_name == "2bw":
         return (1,) * k
-    if run.schedule == "pipedream":
+    if run.schedule_name == "pipedream":
         return (k - 1,) * k if run.vertical_sync else tuple(k - 1 - s for s in range(k))
     return (0,) * k
 
@@ -75,18 +75,21 @@ def torch_lr_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> LRSc
     groups hold the peak rate): linear warm-up from ``lr / (W + 1)``, then a cosine to
     ``min_lr_ratio * lr`` and that floor, or the peak held ("constant"). Call ``step()``
     after each optimizer step."""
-    total = run.warmup + run.steps
-    w = run.lr_warmup_steps
+    total = run.timing.iterations
+    optim = run.optim
+    w = optim.lr_warmup_steps
     phases: list[tuple[int, LRScheduler]] = []  # (first step, scheduler)
     if w > 0:
         phases.append((0, LinearLR(optimizer, start_factor=1 / (w + 1), total_iters=w)))
-    if run.lr_schedule == "cosine":
-        end = run.lr_decay_steps if run.lr_decay_steps is not None else max(total, w)
+    if optim.lr_schedule_name == "cosine":
+        end = optim.lr_decay_steps if optim.lr_decay_steps is not None else max(total, w)
         if end > w:
-            cosine = CosineAnnealingLR(optimizer, T_max=end - w, eta_min=run.min_lr_ratio * run.lr)
-            phases.append((w, cosine))
+            floor = optim.min_lr_ratio * optim.lr
+            phases.append((w, CosineAnnealingLR(optimizer, T_max=end - w, eta_min=floor)))
         # The floor; total_iters past the run's end, where ConstantLR would restore the peak.
-        phases.append((end, ConstantLR(optimizer, factor=run.min_lr_ratio, total_iters=total + 1)))
+        phases.append(
+            (end, ConstantLR(optimizer, factor=optim.min_lr_ratio, total_iters=total + 1))
+        )
     else:
         phases.append((w, ConstantLR(optimizer, factor=1.0, total_iters=total + 1)))
     return SequentialLR(
@@ -99,7 +102,8 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     model = build_model(run.cfg, seed=run.seed)
     params = list(model.parameters())  # the tied embedding once
     groups: list[dict[str, Any]]
-    if run.weight_decay_params == "all":
+    optim = run.optim
+    if optim.weight_decay_params == "all":
         groups = [{"params": params}]
     else:  # GPT-3: no decay for biases and LayerNorm gains and biases (1-d tensors)
         groups = [
@@ -107,15 +111,16 @@ def train_reference(run: RunConfig) -> ReferenceResult:
             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
         ]
     optimizer = torch.optim.AdamW(
-        groups, lr=run.lr, betas=run.betas, weight_decay=run.weight_decay, eps=run.adam_eps
+        groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, eps=optim.adam_eps
     )
     scheduler = torch_lr_scheduler(optimizer, run)
     result = ReferenceResult([], {}, {})
     delays = _stage_delays(run)
     delayed = _Delayed(run, model) if any(delays) else None
-    for i in range(run.warmup + run.steps):
+    data = run.data
+    for i in range(run.timing.iterations):
         tokens, targets = training_batch(
-            run.cfg, run.data, run.batch, run.seq_len, seed=run.data_seed + i
+            run.cfg, data.source, data.batch, data.seq_len, seed=data.seed + i
         )
         key = DropoutKey.for_iteration(run.seed, i) if run.cfg.dropout > 0 else None
         if delayed is None:
@@ -123,7 +128,7 @@ def train_reference(run: RunConfig) -> ReferenceResult:
             loss.backward()
         else:
             loss = delayed.gradient(i, delays, tokens, targets)
-        timed = i >= run.warmup
+        timed = i >= run.timing.warmup
         if timed:
             result.losses.append(loss.item())
             result.lrs.append(optimizer.param_groups[0]["lr"])
@@ -133,8 +138,8 @@ def train_reference(run: RunConfig) -> ReferenceResult:
                 for n, p in model.named_parameters()
                 if p.grad is not None
             }
-        if run.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, run.grad_clip)
+        if optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
             if timed:
                 result.grad_norms.append(norm.item())
         optimizer.step()

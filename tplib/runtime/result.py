@@ -37,7 +37,11 @@ class RunResult:
     @property
     def losses(self) -> list[float]:
         """The global mean loss of each timed iteration (summed over replicas' shares)."""
-        last = [r for r in self.ranks if r.stage == self.config.n_stages - 1 and r.op_rank == 0]
+        last = [
+            r
+            for r in self.ranks
+            if r.stage == self.config.parallelism.n_stages - 1 and r.op_rank == 0
+        ]
         return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
 
     @property
@@ -73,7 +77,7 @@ class RunResult:
             if r.replica == replica:
                 for name, t in tensors(r).items():
                     shards.setdefault((r.stage, name), []).append(t)
-        vocab, n_op = self.config.cfg.vocab_size, self.config.n_op
+        vocab, n_op = self.config.cfg.vocab_size, self.config.parallelism.n_op
         out = {}
         for (stage, name), parts in shards.items():
             spec = shard_spec(name)
@@ -98,7 +102,7 @@ class RunResult:
 
     def stage_peak_bytes(self) -> list[int]:
         """Each stage's peak memory: the largest of its ranks' (bytes)."""
-        peaks = [0] * self.config.n_stages
+        peaks = [0] * self.config.parallelism.n_stages
         for r in self.ranks:
             if r.memory is not None:
                 peaks[r.stage] = max(peaks[r.stage], r.memory.total)

@@ -27,7 +27,7 @@ hostname does not resolve to that interface's address, also pass torchrun
 when the node holds rank 0). ``tests/test_runtime_torchrun.py`` runs two nodes, network
 namespaces on one machine, that way.
 
-Every wait is bounded by the run's ``timeout_s``, joining included: under torchrun each
+Every wait is bounded by the run's ``timing.timeout_s``, joining included: under torchrun each
 rank first marks its arrival in the agents' store and waits for every other, so a rank
 that never comes (its node's worker failed before joining, or is stuck) ends the run
 with :class:`MissingRanksError` naming the ranks and nodes it waited for, rather than
@@ -82,7 +82,7 @@ def load_result(path: str | os.PathLike[str]) -> RunResult:
 
 
 class MissingRanksError(TimeoutError):
-    """Ranks of a torchrun job never joined within the run's ``timeout_s``."""
+    """Ranks of a torchrun job never joined within the run's ``timing.timeout_s``."""
 
 
 def _agent_store(timeout: datetime.timedelta) -> dist.TCPStore | None:
@@ -116,9 +116,9 @@ def _await_every_rank(
         missing = [r for r in range(world) if not store.check([keys[r]])]
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1  # torchrun's: uniform
         nodes = spans([r // per_node for r in missing])
-        stages = spans([run.position(r)[1] for r in missing])
+        stages = spans([run.parallelism.position(r)[1] for r in missing])
         raise MissingRanksError(
-            f"rank {rank} of {world} waited {run.timeout_s:g} s (RunConfig.timeout_s) at "
+            f"rank {rank} of {world} waited {run.timing.timeout_s:g} s (Timing.timeout_s) at "
             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} for rank(s) "
             f"{spans(missing)} (node(s) {nodes}, stage(s) {stages}) to join; they never "
             "arrived: a worker that failed or hangs before joining (see those nodes' logs)"
@@ -153,7 +153,7 @@ def _failure(run: RunConfig, rank: int, progress: Progress, exc: BaseException) 
     try:
         store = _agent_store(_STORE_READ_TIMEOUT)
         assert store is not None  # only called under torchrun's agent
-        silent, beats = watch(store, _progress_prefix(), run.world_size)
+        silent, beats = watch(store, _progress_prefix(), run.parallelism.world_size)
     except Exception as e:  # the report is best effort; the cause stays
         exc.add_note(f"(what the other ranks were doing is unknown: the agents' store: {e})")
         return exc
@@ -218,17 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     run = load_run_config(args.config)  # every input error surfaces here, on every rank
-    run.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    run.parallelism.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if run.ranks_per_node and per_node and per_node != run.ranks_per_node:
+    if run.parallelism.ranks_per_node and per_node and per_node != run.parallelism.ranks_per_node:
         raise ValueError(
             f"torchrun started {per_node} processes per node, but the run's layout puts "
-            f"{run.ranks_per_node} on each (ranks_per_node): pass --nproc-per-node "
-            f"{run.ranks_per_node} so each stage's #Op ranks share a node"
+            f"{run.parallelism.ranks_per_node} on each (ranks_per_node): pass --nproc-per-node "
+            f"{run.parallelism.ranks_per_node} so each stage's #Op ranks share a node"
         )
     hooks = Hooks(collect_grads="grads" in args.collect, collect_params="params" in args.collect)
-    timeout = datetime.timedelta(seconds=run.timeout_s)
-    progress = Progress.local(run.world_size)
+    timeout = datetime.timedelta(seconds=run.timing.timeout_s)
+    progress = Progress.local(run.parallelism.world_size)
     store = _agent_store(timeout)  # the heartbeat's own client
     heartbeat = None
     on_sigterm = _OnSigterm()

@@ -23,25 +23,25 @@ from tplib.nn.oppart import shard_spec
 from tplib.nn.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
 from tplib.nn.wgrad import grad_buffer
 from tplib.runtime.groups import RankGroups, shared_weight
-from tplib.runtime.runconfig import RunConfig
+from tplib.runtime.runconfig import Optim, RunConfig
 
 __all__ = ["Update", "stage_optimizer"]
 
 
 def stage_optimizer(
-    params: list[torch.nn.Parameter], precision: str, recipe: RunConfig | type[RunConfig]
+    params: list[torch.nn.Parameter], precision: str, optim: Optim
 ) -> MixedPrecisionOptimizer | PlainOptimizer:
-    """The optimizer a run's stage steps with, on ``recipe``'s AdamW options (a run's, or
-    the class's defaults), its gradient buffers allocated once and kept between steps, as
+    """The optimizer a run's stage steps with, on ``optim``'s AdamW options (a run's, or
+    the defaults), its gradient buffers allocated once and kept between steps, as
     the memory model assumes (fp16: each parameter's fp32 main_grad, attached here)."""
     optimizer = make_optimizer(
         params,
         precision,
-        lr=recipe.lr,
-        betas=recipe.betas,
-        weight_decay=recipe.weight_decay,
-        eps=recipe.adam_eps,
-        decay=DECAY_RULES[recipe.weight_decay_params],
+        lr=optim.lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+        eps=optim.adam_eps,
+        decay=DECAY_RULES[optim.weight_decay_params],
     )
     for p in params:
         if grad_buffer(p) is None:
@@ -55,8 +55,8 @@ class Update:
     def __init__(self, run: RunConfig, stage: GPTStage, groups: RankGroups) -> None:
         self.run, self.stage, self.groups = run, stage, groups
         self.params = list(stage.parameters())
-        self.optimizer = stage_optimizer(self.params, run.precision, run)
-        self.lr_schedule = run.lr_schedule_data
+        self.optimizer = stage_optimizer(self.params, run.precision, run.optim)
+        self.lr_schedule = run.lr_schedule
         self.tied = shared_weight(stage)  # this stage's copy of a tied embedding, or None
         self.counted = self._counted()
         self.grad_norms: list[Tensor] = []  # per timed step, on the device: no sync per step
@@ -100,10 +100,10 @@ class Update:
         if self.run.precision == "fp16":  # all ranks skip together or none does
             self.groups.all_reduce(found_inf, None, dist.ReduceOp.MAX)
         skip = bool(found_inf.item())
-        if self.run.grad_clip > 0:
+        if self.run.optim.grad_clip > 0:
             # A skipped step's gradients are garbage: neither clipped nor counted.
             norm = torch.full((), float("nan")) if skip else self._clip()
-            if index >= self.run.warmup:
+            if index >= self.run.timing.warmup:
                 self.grad_norms.append(norm)
         self.optimizer.set_lr(self.lr_schedule.lr_at(index))
         if not self.optimizer.step(skip):
@@ -124,7 +124,7 @@ class Update:
             squares = norms.square().sum()
         self.groups.all_reduce(squares, None)  # every rank of the world, the same sum on each
         norm = squares.sqrt()
-        coef = torch.clamp(self.run.grad_clip / (norm + 1e-6), max=1.0)
+        coef = torch.clamp(self.run.optim.grad_clip / (norm + 1e-6), max=1.0)
         for g in grads:
             if g is not None:
                 g.mul_(coef.to(g.dtype))

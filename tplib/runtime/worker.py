@@ -3,7 +3,7 @@ stage's list of actions, iteration after iteration (an asynchronous schedule's l
 spans every iteration of the run, and is walked once).
 
 Each process builds its shard of its stage of the model, then walks the actions of
-:attr:`RunConfig.schedule_data <tplib.runtime.RunConfig.schedule_data>` through a dispatch
+:attr:`RunConfig.schedule <tplib.runtime.RunConfig.schedule>` through a dispatch
 table from action kind to method (:data:`Worker.DISPATCH`): receive, forward, send and
 the same for gradients (under a zero-bubble schedule the backward leaves the weight
 gradients to ``W`` actions), through a :class:`~tplib.nn.slicing.SliceExecutor` that keeps each
@@ -84,10 +84,10 @@ class Worker:
         self, run: RunConfig, rank: int, hooks: Hooks = Hooks(), progress: Progress | None = None
     ) -> None:
         self.run, self.rank, self.hooks = run, rank, hooks
-        self.progress = progress or Progress.local(run.world_size)
+        self.progress = progress or Progress.local(run.parallelism.world_size)
         self.progress.set(rank, 0, Progress.SETUP)
-        self.replica, self.stage_id, self.op_rank = run.position(rank)
-        self.schedule = run.schedule_data
+        self.replica, self.stage_id, self.op_rank = run.parallelism.position(rank)
+        self.schedule = run.schedule
         self.plan = self.schedule.plan  # an asynchronous one: every iteration's units
         self.device = torch.device(run.device)
         self.groups = RankGroups(run, rank, self.device)
@@ -110,7 +110,7 @@ class Worker:
         self.executor = SliceExecutor(
             self.stage,
             self.plan,
-            loss_scale=1.0 / (run.batch * run.seq_len),
+            loss_scale=1.0 / (run.data.batch * run.data.seq_len),
             dtype=torch.bfloat16 if run.precision == "bf16" else self.wire_dtype,
             recompute=run.recompute,
             hold=self.meter.hold if self.counting else None,
@@ -254,8 +254,9 @@ class Worker:
         n = self.schedule.n_iterations
         # This replica's share of each global batch; the plan cuts it into units.
         mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
+        data = run.data
         tokens, targets = batch_rows(
-            run.cfg, run.data, run.batch, run.seq_len, range(index, index + n), run.data_seed, mine
+            run.cfg, data.source, data.batch, data.seq_len, range(index, index + n), data.seed, mine
         )
         loss = torch.zeros(n, dtype=torch.float32, device=self.device)
         it = _Iteration(index, self._on_device(tokens), self._on_device(targets), loss)
@@ -306,11 +307,11 @@ class Worker:
             # Steady state: the time between consecutive updates of the timed iterations.
             updates = [clock.seconds(b) for _, action, _, b in rows if action.kind is Kind.OPT]
             gaps = [b - a for a, b in itertools.pairwise([0.0, *updates])]
-            self.result.iteration_s += gaps[run.warmup :]
+            self.result.iteration_s += gaps[run.timing.warmup :]
         else:
             self.result.iteration_s.append(elapsed)
         if self.stage.is_last:
-            self.result.losses += [float(x) for x in it.loss[run.warmup if n > 1 else 0 :]]
+            self.result.losses += [float(x) for x in it.loss[run.timing.warmup if n > 1 else 0 :]]
 
     def _iteration_of(self, index: int, action: Action) -> int:
         """The iteration a traced action belongs to: the pass's, or under an asynchronous
@@ -327,7 +328,7 @@ class Worker:
                 self.stage_id,
                 self.replica,
                 self.op_rank,
-                index - self.run.warmup,
+                index - self.run.timing.warmup,
                 action.kind.value,
                 action.b,
                 action.t,
@@ -342,7 +343,7 @@ class Worker:
             return
         if self.hooks.fault.startswith("raise"):
             raise RuntimeError(f"injected fault on rank {self.rank}")
-        time.sleep(10 * self.run.timeout_s)  # "hang": stall until killed or timed out
+        time.sleep(10 * self.run.timing.timeout_s)  # "hang": stall until killed or timed out
 
     def _memory(self) -> StageMemory | None:
         contexts = (
@@ -367,9 +368,9 @@ class Worker:
             assert self.versions is not None
             self.result.weight_versions = self.versions.most_held
         else:
-            for i in range(self.run.warmup + self.run.steps):
-                self.iteration(i, record=i >= self.run.warmup)
-        self.progress.set(self.rank, self.run.warmup + self.run.steps - 1, Progress.RESULTS)
+            for i in range(self.run.timing.iterations):
+                self.iteration(i, record=i >= self.run.timing.warmup)
+        self.progress.set(self.rank, self.run.timing.iterations - 1, Progress.RESULTS)
         self.result.memory = self._memory()
         self.result.grad_norms = [float(n) for n in self.update.grad_norms]
         self.result.steps_skipped = self.update.steps_skipped
@@ -385,5 +386,5 @@ def run_worker(
 ) -> RankResult:
     """Train ``run`` as ``rank`` of an initialised default process group, telling
     ``progress`` where it is."""
-    run.check_world_size(dist.get_world_size())
+    run.parallelism.check_world_size(dist.get_world_size())
     return Worker(run, rank, hooks, progress).train()

@@ -105,6 +105,7 @@ def measured_systems(
     an asynchronous one as many as its steady-state window needs (at least ``iters``
     wide)."""
     from tplib.measure.harness import measured_bench  # starts processes: torch
+    from tplib.runtime import Optim, Timing
 
     check_systems(systems)
     tera = Plan.uniform(batch, seq_len, n_token_slices=n_slices)
@@ -138,14 +139,14 @@ def measured_systems(
             costs: ActionCosts = bench.costs[seq_len]
             if system.recompute == "full":
                 costs = RecomputeCosts(costs)
-            options: dict[str, Any] = {"grad_clip": 0.0, "recompute": system.recompute}
+            options: dict[str, Any] = {"optim": Optim(grad_clip=0.0), "recompute": system.recompute}
             window = None
             if system.asynchronous:
                 n, a, b = steady_window(n_stages, p, window=iters)
-                options |= {"warmup": 0, "steps": n}
+                options |= {"timing": Timing(warmup=0, steps=n)}
                 window = (a, b)
             m = bench.run(system.schedule, p, costs=costs, **options)
-            schedule = m.result.config.schedule_data
+            schedule = m.result.config.schedule
             if window is None:
                 measured, spread = m.latency, 0.0
                 std = statistics.stdev(m.latencies) if len(m.latencies) > 1 else 0.0
@@ -202,12 +203,19 @@ def statistical_efficiency(
     progress: bool = True,
 ) -> pd.DataFrame:
     """Train ``model`` for ``steps`` updates with each of ``systems`` on the stdlib
-    corpus (``data="stdlib"``), from seed ``seed`` on the same batches, and return
+    corpus (``Data(source="stdlib")``), from seed ``seed`` on the same batches, and return
     every step's loss: columns system, schedule, delay, step, loss and ``loss_smoothed``
     (the mean over the last ``smooth`` steps). The learning rate warms up over the
     first tenth of the steps, then decays by a cosine; no clipping (asynchronous
     schedules cannot clip the global norm)."""
-    from tplib.runtime import LocalPool, RunConfig  # starts processes: torch
+    from tplib.runtime import (  # starts processes: torch
+        Data,
+        LocalPool,
+        Optim,
+        Parallelism,
+        RunConfig,
+        Timing,
+    )
 
     check_systems(systems)
     if steps < 1 or smooth < 1:
@@ -226,25 +234,21 @@ def statistical_efficiency(
             run = RunConfig(
                 model=model,
                 model_overrides=tuple(sorted(overrides.items())),
-                schedule=system.schedule,
-                n_stages=n_stages,
-                batch=batch,
-                seq_len=seq_len,
+                schedule_name=system.schedule,
+                parallelism=Parallelism(n_stages=n_stages),
+                data=Data(batch=batch, seq_len=seq_len, source="stdlib"),
                 slicing=system_plan(system, batch, seq_len, tera),
-                steps=steps,
-                grad_clip=0.0,
-                lr=lr,
-                lr_warmup_steps=max(1, steps // 10),
+                timing=Timing(steps=steps),
+                optim=Optim(grad_clip=0.0, lr=lr, lr_warmup_steps=max(1, steps // 10)),
                 recompute=system.recompute,
                 seed=seed,
-                data="stdlib",
             )
             losses = pool.run(run).losses
             frame = pd.DataFrame(
                 {
                     "system": name,
                     "schedule": system.schedule,
-                    "delay": delay(run.schedule_data),
+                    "delay": delay(run.schedule),
                     "step": np.arange(len(losses)),
                     "loss": losses,
                 }
