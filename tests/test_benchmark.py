@@ -1,11 +1,13 @@
 import json
+from collections.abc import Callable
 
 import pandas as pd
 import pytest
 
 from tplib.cli import main
-from tplib.runtime import TRACE_COLUMNS
-from tplib.runtime.benchmark import busiest_stage_work
+from tplib.runtime import TRACE_COLUMNS, LocalPool, RunConfig
+from tplib.runtime.benchmark import BenchResult, bench, busiest_stage_work
+from tplib.schedule import registered, schedule_names
 
 
 def test_busiest_stage_work_sums_compute_per_rank() -> None:
@@ -68,4 +70,94 @@ def test_bench_bad_input_is_an_error(
 ) -> None:
     base = ["bench", "--stages", "2", "--batch", "1", "--seq-len", "32", "--model", "tiny"]
     assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- every schedule, with bench's defaults ----------------------------------------------------
+
+TINY = ["bench", "--model", "tiny", "--stages", "2", "--batch", "1", "--seq-len", "8"]
+TINY += ["--iters", "1", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def bench_on_a_warm_pool(
+    pools: Callable[[int], LocalPool],
+) -> Callable[..., BenchResult]:
+    """``bench`` with its runs on one pool of two ranks: the command is what is under test,
+    and starting two processes per schedule would cost more than the runs."""
+
+    def run_bench(run: RunConfig, backend: str | None = None) -> BenchResult:
+        return bench(run, pools(run.parallelism.world_size).run(run), backend=backend)
+
+    return run_bench
+
+
+@pytest.mark.parametrize("schedule", schedule_names())
+def test_bench_runs_every_schedule_with_its_defaults(
+    schedule: str,
+    bench_on_a_warm_pool: Callable[..., BenchResult],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("tplib.runtime.bench", bench_on_a_warm_pool)
+    assert main([*TINY, "--schedule", schedule, "--json"]) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert out["schedule"] == schedule and out["iterations"] == 1 and out["median_latency_s"] > 0
+    # The default recipe clips, which an asynchronous schedule refuses: bench says it
+    # trains that one unclipped, in one line, and says nothing for the others.
+    notes = printed.err.splitlines()
+    if registered(schedule).asynchronous:
+        assert len(notes) == 1 and "--grad-clip 0 instead of the default 1" in notes[0], notes
+    else:
+        assert notes == []
+
+
+class Received(Exception):
+    """What the stand-in for bench raises once it has the run: nothing needs to train."""
+
+
+def test_bench_trains_the_recipe_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[RunConfig] = []
+
+    def keep(run: RunConfig, backend: str | None = None) -> BenchResult:
+        runs.append(run)
+        raise Received
+
+    monkeypatch.setattr("tplib.runtime.bench", keep)
+    recipe = ["--grad-clip", "0.5", "--lr-schedule", "constant", "--weight-decay-params", "all"]
+    for schedule, clip in (("1f1b", 0.5), ("2bw", 0.0)):
+        given = recipe if clip else recipe[2:]
+        with pytest.raises(Received):
+            main([*TINY, "--schedule", schedule, *given])
+        optim = runs[-1].optim
+        assert (optim.grad_clip, optim.lr_schedule_name, optim.weight_decay_params) == (
+            clip,
+            "constant",
+            "all",
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--schedule", "pipedream", "--grad-clip", "0.5"],
+            "--grad-clip=0.5 with --schedule pipedream: an asynchronous schedule",
+        ),
+        (["--schedule", "2bw", "--weight-decay-params", "biases"], "weight_decay_params='biases'"),
+        (["--schedule", "1f1b", "--lr-schedule", "linear"], "invalid choice: 'linear'"),
+    ],
+)
+def test_bench_refuses_a_recipe_the_schedule_does_not_take(
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def never(*args: object, **kwargs: object) -> BenchResult:
+        raise AssertionError("bench started processes for a refused recipe")
+
+    monkeypatch.setattr("tplib.runtime.bench", never)
+    assert main([*TINY, *argv]) == 2
     assert message in capsys.readouterr().err

@@ -476,6 +476,8 @@ BAD: dict[str, st.SearchStrategy[str]] = {
     "method": st.text(max_size=6).filter(lambda t: t not in {"exact", "paper"}),
     "rate": st.one_of(NOT_FLOAT, NOT_FINITE, st.floats(min_value=1).map(str), st.floats(max_value=-1e-300).map(str)),
     "attention": st.text(max_size=6).filter(lambda t: t not in {"split", "masked"}),
+    "lr_schedule": st.text(max_size=8).filter(lambda t: t not in {"cosine", "constant"}),
+    "decay_params": st.text(max_size=8).filter(lambda t: t not in {"matrices", "all"}),
 }  # fmt: skip
 
 
@@ -561,6 +563,7 @@ BENCH_OPTIONS = {
     "--slices": "count", "--model": "model", "--data": "count", "--op": "stages",
     "--recompute": "recompute", "--dtype": "dtype", "--device": "device", "--iters": "count",
     "--warmup": "natural", "--timeout": "positive", "--threads": "natural",
+    "--grad-clip": "nonneg", "--lr-schedule": "lr_schedule", "--weight-decay-params": "decay_params",
 }  # fmt: skip
 
 

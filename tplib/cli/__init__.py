@@ -36,6 +36,7 @@ from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.predict import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.nn.configs import PRECISIONS
+from tplib.nn.lr import LR_SCHEDULES
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
 from tplib.perfmodel.conditions import IMPLS
 from tplib.tables import TABLE_NAMES
@@ -226,6 +227,23 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--timeout", type=number(0, above=True), default=300.0, help="communication timeout, s"
     )
     p.add_argument("--threads", type=integer(0), help="torch threads per process (0: share)")
+    # The optimizer's recipe, left None when not given: an asynchronous schedule then gets
+    # a recipe it accepts (bench_command), where a given one is the user's to keep.
+    p.add_argument(
+        "--grad-clip",
+        type=number(0),
+        help="clip the global gradient norm to this, 0: no clipping (default 1.0; 0 for "
+        "the asynchronous pipedream and 2bw, which refuse clipping)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        help="cosine (linear warm-up, cosine decay to a floor; default) or constant",
+    )
+    p.add_argument(
+        "--weight-decay-params",
+        help="which parameters AdamW decays: matrices (ndim >= 2, as GPT-3; default) or all",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=bench_command)
 

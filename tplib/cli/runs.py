@@ -8,7 +8,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tplib.runtime import Optim
 
 __all__ = ["bench_command", "reproduce_command", "run_command", "table_command"]
 
@@ -25,6 +28,44 @@ def _json_arg(text: str | None, what: str) -> dict[str, Any]:
     return value
 
 
+def _bench_recipe(args: argparse.Namespace) -> tuple[Optim, str]:
+    """The optimizer's recipe of ``bench``'s options, and a line saying what an
+    asynchronous schedule's recipe changed from the default ("" if nothing).
+
+    The default recipe (GPT-3's) clips gradients, which pipedream and 2bw refuse: clipping
+    to the global norm needs every stage at once, a flush. Where the user left
+    ``--grad-clip`` out they train unclipped; where they gave a norm, it is refused here,
+    naming the option."""
+    from tplib.runtime import Optim
+    from tplib.schedule import registered
+
+    given: dict[str, Any] = {
+        field: value
+        for field, value in (
+            ("grad_clip", args.grad_clip),
+            ("lr_schedule_name", args.lr_schedule),
+            ("weight_decay_params", args.weight_decay_params),
+        )
+        if value is not None
+    }
+    if not registered(args.schedule).asynchronous:
+        return Optim(**given), ""
+    if given.get("grad_clip", 0) > 0:
+        raise ValueError(
+            f"--grad-clip={args.grad_clip} with --schedule {args.schedule}: an asynchronous "
+            "schedule updates each stage without a flush, and clipping to the global "
+            "gradient norm needs one; give --grad-clip 0 or leave it out"
+        )
+    if "grad_clip" in given:
+        return Optim(**given), ""
+    default = Optim().grad_clip
+    return Optim(**given, grad_clip=0.0), (
+        f"note: --schedule {args.schedule} is asynchronous and refuses gradient clipping "
+        f"(it needs a flush), so bench trains it with --grad-clip 0 instead of the default "
+        f"{default:g}"
+    )
+
+
 def bench_command(args: argparse.Namespace) -> int:
     from tplib.runtime import (  # starts processes: import only when asked
         Data,
@@ -37,6 +78,7 @@ def bench_command(args: argparse.Namespace) -> int:
 
     if args.schedule == "gpipe" and args.slices != 1:
         raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
+    optim, changed = _bench_recipe(args)
     run = RunConfig(
         model=args.model,
         schedule_name=args.schedule,
@@ -49,8 +91,11 @@ def bench_command(args: argparse.Namespace) -> int:
         timing=Timing(
             steps=args.iters, warmup=args.warmup, timeout_s=args.timeout, threads=args.threads or 0
         ),
+        optim=optim,
     )
     choice = local_backend(run, args.backend)  # refused here, before any process starts
+    if changed:
+        print(changed, file=sys.stderr)
     result = bench(run, backend=choice.backend)
     if args.json:
         print(json.dumps(result.to_dict()))
