@@ -75,8 +75,10 @@ def test_bench_bad_input_is_an_error(
 
 # ---- every schedule, with bench's defaults ----------------------------------------------------
 
+# Two iterations: an asynchronous schedule's one pass then spans two, as bench's default
+# run spans six (modelling its memory once read units past the first iteration's plan).
 TINY = ["bench", "--model", "tiny", "--stages", "2", "--batch", "1", "--seq-len", "8"]
-TINY += ["--iters", "1", "--warmup", "0"]
+TINY += ["--iters", "2", "--warmup", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,8 @@ def test_bench_runs_every_schedule_with_its_defaults(
     assert main([*TINY, "--schedule", schedule, "--json"]) == 0
     printed = capsys.readouterr()
     out = json.loads(printed.out)
-    assert out["schedule"] == schedule and out["iterations"] == 1 and out["median_latency_s"] > 0
+    assert out["schedule"] == schedule and out["iterations"] == 2 and out["median_latency_s"] > 0
+    assert len(out["modelled_peak_bytes"]) == 2 and all(b > 0 for b in out["modelled_peak_bytes"])
     # The default recipe clips, which an asynchronous schedule refuses: bench says it
     # trains that one unclipped, in one line, and says nothing for the others.
     notes = printed.err.splitlines()

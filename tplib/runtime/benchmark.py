@@ -70,7 +70,8 @@ def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
             run.cfg,
             lo,
             hi,
-            plan=run.plan,
+            # An asynchronous schedule's units span every iteration: its own plan names them.
+            plan=run.schedule.plan,
             actions=run.schedule.actions[k],
             n_op=run.parallelism.n_op,
             recompute=run.recompute,
