@@ -107,9 +107,62 @@ def test_partition_pipedream_and_2bw(capsys: pytest.CaptureFixture[str]) -> None
     assert "--batch is required" in capsys.readouterr().err
 
 
-def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Profiles of every stage of a 4-layer model, where the head costs three blocks:
-    GPipe's balance gives the head a stage of its own."""
+@pytest.mark.parametrize(
+    ("planner", "options", "schedule"),
+    [
+        ("gpipe", ["--stages", "4", "--batch", "8", "--microbatch", "2"], "gpipe"),
+        ("pipedream", ["--seq-len", "512", "--gpus", "4"], "pipedream"),
+        ("2bw", ["--seq-len", "512", "--batch", "64", "--gpus", "8"], "2bw"),
+    ],
+)
+def test_partition_writes_its_choice_as_a_run(
+    planner: str, options: list[str], schedule: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from tplib.runtime import load_run_config
+
+    argv = ["partition", "--planner", planner, "--model", "GPT3-1B", *options]
+    assert main([*argv, "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)
+    out = tmp_path / "run.json"
+    assert main([*argv, "--out", str(out), "--steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {'GPipe' if planner == 'gpipe' else ''}" in printed and "torchrun" in printed
+    run = load_run_config(out)
+    assert (run.model, run.schedule_name, run.timing.steps) == ("GPT3-1B", schedule, 3)
+    assert run.cfg.dropout == (0.1 if planner == "gpipe" else 0.0)
+    assert ("sets dropout 0.1 to 0" in printed) == (planner != "gpipe")
+    ranges = [list(r) for r in run.parallelism.stage_ranges or ()]
+    if planner == "gpipe":
+        assert ranges == chosen["stage_ranges"] and run.data.batch == 8
+        assert run.plan.batch_slices == (2, 2, 2, 2)
+    elif planner == "pipedream":
+        assert ranges == [[s["lo"], s["hi"]] for s in chosen["stages"]]
+        assert run.optim.grad_clip == 0.0  # asynchronous: no clipping
+    else:
+        best = chosen["best"]
+        assert ranges == best["stage_ranges"] and run.data.seq_len == 512
+        assert (run.parallelism.n_data, run.parallelism.n_stages) == (best["width"], best["depth"])
+        assert run.data.batch == best["width"] * best["microbatch"] * best["accumulation"]
+
+
+def test_partition_out_refuses_what_it_cannot_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "r.json")
+    argv = ["partition", "--planner", "gpipe", "--model", "GPT3-1B", "--stages", "4"]
+    assert main([*argv, "--out", out]) == 2
+    assert "--out with --planner gpipe needs --batch" in capsys.readouterr().err
+    # On 8 GPUs PipeDream replicates some stages only, which the runtime does not.
+    argv = ["partition", "--planner", "pipedream", "--model", "GPT3-1B", "--seq-len", "512"]
+    assert main([*argv, "--gpus", "8", "--out", out]) == 2
+    assert "the plan replicates its stages unequally ([0, 6) on 2" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def _tiny_profiles(tmp_path: Path) -> list[str]:
+    """Profiles of every stage of the 4-layer tiny model, where the head costs three
+    blocks: GPipe's balance gives the head a stage of its own."""
     cfg = get_config("tiny")
     files = []
 
@@ -124,6 +177,36 @@ def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFi
         )  # fmt: skip
         files.append(str(tmp_path / f"stage{lo}.json"))
         prof.save(files[-1])
+    return files
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--planner", "gpipe", "--stages", "2", "--batch", "4", "--microbatch", "2"],
+        ["--planner", "pipedream", "--gpus", "2", "--microbatch", "2", "--no-memory-check"],
+        ["--planner", "2bw", "--gpus", "2", "--batch", "4"],
+    ],
+)
+def test_a_partition_of_measured_profiles_trains_as_its_update_rule_says(
+    options: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each planner's choice on this machine's profiles, written with --out, runs on local
+    processes and matches the single-device run of the same update rule."""
+    from tplib.runtime import launch, load_run_config, train_reference
+
+    out = tmp_path / "run.json"
+    argv = ["partition", "--profiles", *_tiny_profiles(tmp_path), *options]
+    assert main([*argv, "--out", str(out), "--steps", "2", "--warmup", "0"]) == 0
+    capsys.readouterr()
+    run = load_run_config(out)
+    assert run.model == "tiny" and run.model_overrides == ()
+    got, want = launch(run).losses, train_reference(run).losses
+    assert got == pytest.approx(want, rel=1e-5) and len(got) == 2
+
+
+def test_partition_on_measured_profiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = _tiny_profiles(tmp_path)
     argv = ["partition", "--profiles", *files, "--json"]
     assert main([*argv, "--planner", "gpipe", "--stages", "2"]) == 0
     out = json.loads(capsys.readouterr().out)

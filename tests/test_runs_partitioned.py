@@ -95,8 +95,17 @@ def test_a_replicated_stage_cannot_run() -> None:
     plan = PipeDreamPlan(
         (PipeDreamStage(0, 2, 2, 1.0), PipeDreamStage(2, 4, 1, 1.0)), 1.0, 3, (0.0,)
     )
-    with pytest.raises(ValueError, match=r"replicates stages \[0, 2\) on 2"):
+    with pytest.raises(ValueError, match=r"unequally \(\[0, 2\) on 2, \[2, 4\) on 1\)"):
         pipedream_run(plan, "tiny", SEQ_LEN, microbatch=1)
+
+
+def test_stages_replicated_alike_are_replicas_of_the_pipeline() -> None:
+    plan = PipeDreamPlan(
+        (PipeDreamStage(0, 2, 3, 1.0), PipeDreamStage(2, 4, 3, 1.0)), 1.0, 3, (0.0,)
+    )
+    run = pipedream_run(plan, "tiny", SEQ_LEN, microbatch=2)
+    assert (run.parallelism.n_data, run.parallelism.n_stages, run.data.batch) == (3, 2, 6)
+    assert run.ranges == ((0, 2), (2, 4))
 
 
 def test_the_searched_layout_is_a_run() -> None:

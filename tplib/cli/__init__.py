@@ -198,6 +198,10 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--top", type=COUNT, default=5, help="configurations to print (2bw)")
     p.add_argument("--no-memory-check", action="store_true", help="pipedream: ignore GPU memory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", help="write the chosen partition as a run config here (JSON)")
+    p.add_argument("--result", default="result.pt", help="where its rank 0 writes results")
+    p.add_argument("--steps", type=COUNT, default=10, help="its timed iterations")
+    p.add_argument("--warmup", type=integer(0), default=2, help="its untimed iterations first")
     p.set_defaults(func=partition_command)
 
 

@@ -1,7 +1,9 @@
 """The layout commands: ``autoplan`` (TeraPipe's whole layout, searched) and
 ``partition`` (the planners of GPipe, PipeDream and PipeDream-2BW on a model's layer
 chain), on the V100-cluster model or on stage profiles measured with ``python -m tplib
-profile`` (``partition --profiles``). Neither imports torch."""
+profile`` (``partition --profiles``). Neither imports torch. With ``--out``, each writes
+what it chose as a run file for ``python -m tplib run`` / torchrun
+(:mod:`tplib.runs.partitioned`)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import argparse
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
+from tplib.nn.configs import get_config
 from tplib.partition import LayerChain, Topology, cluster_chain, profile_chain
 from tplib.partition.balance import balance, cell_costs
 from tplib.partition.pipedream import pipedream_partition
@@ -19,6 +23,9 @@ from tplib.partition.twobw import twobw_plan
 from tplib.perfmodel.conditions import UNKNOWN
 from tplib.perfmodel.profile import Profile
 from tplib.search.layout import autoplan
+
+if TYPE_CHECKING:
+    from tplib.runtime import RunConfig, Timing
 
 __all__ = ["autoplan_command", "partition_command"]
 
@@ -47,16 +54,44 @@ def autoplan_command(args: argparse.Namespace) -> int:
         print(search.report(args.top))
     if args.out:
         from tplib.runs.partitioned import search_run
-        from tplib.runs.settings import launch_commands
-        from tplib.runtime import Timing, save_run_config
 
-        run = search_run(search, timing=Timing(steps=args.steps, warmup=args.warmup))
-        save_run_config(run, args.out)
-        commands = launch_commands(run, args.out, args.result)
-        if not args.json:
-            print(f"wrote the best layout's run to {args.out}; on every node:")
-            print(f"  {commands['torchrun']}\nor under SLURM:\n  {commands['slurm']}")
+        _write_run(args, search_run(search, timing=_timing(args)), "the best layout's run")
     return 0
+
+
+def _timing(args: argparse.Namespace) -> Timing:
+    from tplib.runtime import Timing
+
+    return Timing(steps=args.steps, warmup=args.warmup)
+
+
+def _write_run(args: argparse.Namespace, run: RunConfig, what: str) -> None:
+    """Save ``run`` to ``--out`` and say how to launch it (unless ``--json``)."""
+    from tplib.runs.settings import launch_commands
+    from tplib.runtime import save_run_config
+
+    save_run_config(run, args.out)
+    commands = launch_commands(run, args.out, args.result)
+    if not args.json:
+        print(f"wrote {what} to {args.out}; on every node:")
+        print(f"  {commands['torchrun']}\nor under SLURM:\n  {commands['slurm']}")
+
+
+Model = tuple[str, tuple[tuple[str, object], ...]]  # a run's model name and overrides
+
+
+def _without_dropout(model: Model, args: argparse.Namespace) -> Model:
+    """An asynchronous schedule's run trains without dropout, which the runtime cannot
+    key by iteration across weight versions yet (RunConfig refuses it); say so."""
+    name, overrides = model
+    p = get_config(name, overrides).dropout
+    if p == 0:
+        return model
+    if not args.json:
+        print(
+            f"note: the {args.planner} run sets dropout {p} to 0: asynchronous schedules run without dropout"
+        )
+    return name, tuple(sorted({**dict(overrides), "dropout": 0.0}.items()))
 
 
 Report = tuple[dict[str, object], list[str]]  # (the JSON object, the printed lines)
@@ -70,6 +105,7 @@ class Source:
     topology: Topology
     microbatches: tuple[int, ...]  # the sizes 2BW may choose among
     name: str
+    model: Model
 
 
 def _source(args: argparse.Namespace) -> Source:
@@ -81,6 +117,7 @@ def _source(args: argparse.Namespace) -> Source:
             Topology.cluster(args.gpus),
             (1, 2, 4, 8),
             f"{args.model}, {args.gpus} GPUs (V100 cluster model)",
+            (args.model, ()),
         )
     profiles = []
     for path in args.profiles:
@@ -98,7 +135,30 @@ def _source(args: argparse.Namespace) -> Source:
         Topology.flat(args.gpus, first.link_bandwidth, f"{args.gpus} local processes"),
         first.batch_slice_sizes,
         f"{first.config.name}, {args.gpus} workers (profiles measured on {first.device})",
+        _profiled_model(first, args),
     )  # fmt: skip
+
+
+def _profiled_model(
+    prof: Profile, args: argparse.Namespace
+) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """The profiled model as a run names it: its config's name, and the fields where it
+    differs from that named config (a profile of ``small`` with 4 layers, say)."""
+    try:
+        named = get_config(prof.config.name)
+    except ValueError:
+        if args.out:
+            raise ValueError(
+                f"profile {args.profiles[0]} timed a model named {prof.config.name!r}, which "
+                "is not a named config, so --out cannot name it in a run file"
+            ) from None
+        return prof.config.name, ()
+    changed = tuple(
+        (f.name, getattr(prof.config, f.name))
+        for f in fields(prof.config)
+        if getattr(prof.config, f.name) != getattr(named, f.name)
+    )
+    return prof.config.name, changed
 
 
 def _precision(prof: Profile, args: argparse.Namespace) -> str:
@@ -122,6 +182,17 @@ def _gpipe(args: argparse.Namespace, src: Source) -> Report:
         f"  layers [{lo:>3}, {hi:>3}): {t * 1e3:8.2f} ms per microbatch"
         for (lo, hi), t in zip(ranges, costs, strict=True)
     ]
+    if args.out:
+        from tplib.runs.partitioned import balance_run
+
+        if args.batch is None:
+            raise ValueError("--out with --planner gpipe needs --batch: the run's global batch B")
+        name, overrides = src.model
+        run = balance_run(
+            ranges, name, chain.seq_len, args.batch, args.microbatch,
+            model_overrides=overrides, timing=_timing(args),
+        )  # fmt: skip
+        _write_run(args, run, "GPipe's balance as a gpipe run")
     return {"stage_ranges": ranges, "stage_seconds": costs, "chain": chain.source}, lines
 
 
@@ -134,6 +205,15 @@ def _pipedream(args: argparse.Namespace, src: Source) -> Report:
         "in_flight": p.in_flight,
         "chain": chain.source,
     }
+    if args.out:
+        from tplib.runs.partitioned import pipedream_run
+
+        name, overrides = _without_dropout(src.model, args)
+        run = pipedream_run(
+            p, name, chain.seq_len, args.microbatch,
+            model_overrides=overrides, timing=_timing(args),
+        )  # fmt: skip
+        _write_run(args, run, "PipeDream's partition as a pipedream run")
     return out, str(p).splitlines()
 
 
@@ -153,6 +233,13 @@ def _twobw(args: argparse.Namespace, src: Source) -> Report:
     found = [
         asdict(c) | {"simulated_seconds_per_microbatch": t} for c, t in zip(top, sims, strict=True)
     ]
+    if args.out:
+        from tplib.runs.partitioned import twobw_run
+
+        seq_len = src.chain_for(p.best.microbatch).seq_len
+        name, overrides = _without_dropout(src.model, args)
+        run = twobw_run(p.best, name, seq_len, model_overrides=overrides, timing=_timing(args))
+        _write_run(args, run, "2BW's best configuration as a 2bw run")
     return {"best": asdict(p.best), "top": found}, lines
 
 

@@ -9,9 +9,13 @@ as a :class:`~tplib.runtime.RunConfig` the runtime executes.
   microbatches of b sequences per update, recomputation as chosen;
 * :func:`pipedream_run`: PipeDream's partition (:func:`tplib.partition.pipedream_partition`)
   as a ``pipedream`` run on its stage ranges. The runtime replicates whole pipelines
-  (#Data), not single stages, so a plan that replicates a stage is refused.
+  (#Data), not single stages: a plan that puts every stage on r GPUs runs as r replicas,
+  one that replicates its stages unequally is refused.
 
-GPipe's balance is already a run's ``stage_ranges``.
+* :func:`balance_run`: GPipe's balance (:func:`tplib.partition.balance`) as a ``gpipe``
+  run on its stage ranges, the batch in microbatches of a given size.
+
+``python -m tplib autoplan --out`` and ``python -m tplib partition --out`` write them.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from __future__ import annotations
 from typing import Any
 
 from tplib.nn.configs import get_config
+from tplib.nn.layer_ranges import StageRange
 from tplib.partition.pipedream import PipeDreamPlan
 from tplib.partition.twobw import TwoBWConfig
 from tplib.plan import Plan
 from tplib.runtime.runconfig import Data, Optim, Parallelism, RunConfig
 from tplib.search.layout import Candidate, Search
 
-__all__ = ["pipedream_run", "search_run", "twobw_run"]
+__all__ = ["balance_run", "pipedream_run", "search_run", "twobw_run"]
 
 GPUS_PER_NODE = 8  # p3.16xlarge, the cluster the search prices
 # Asynchronous schedules do not clip the global gradient norm (RunConfig says why).
@@ -85,19 +90,49 @@ def pipedream_run(
     """The run of a PipeDream partition with minibatches of ``microbatch`` sequences;
     ``fields`` set the rest of the :class:`RunConfig` (an ``optim`` given must not
     clip)."""
-    replicated = [s for s in plan.stages if s.replicas > 1]
-    if replicated:
-        which = ", ".join(f"[{s.lo}, {s.hi}) on {s.replicas}" for s in replicated)
+    replicas = {s.replicas for s in plan.stages}
+    if len(replicas) > 1:
+        which = ", ".join(f"[{s.lo}, {s.hi}) on {s.replicas}" for s in plan.stages)
         raise ValueError(
-            f"the plan replicates stages {which}: tplib's runtime replicates whole "
-            "pipelines (#Data), not single stages; plan with memory or topology that keeps "
-            "one GPU per stage, or run its stage ranges without the replication"
+            f"the plan replicates its stages unequally ({which}): tplib's runtime replicates "
+            "whole pipelines (#Data), not single stages; plan with memory or topology that "
+            "keeps one GPU per stage, or run its stage ranges without the replication"
         )
+    # Every stage on r GPUs: r replicas of the whole pipeline, each its own minibatches.
+    n_data = replicas.pop()
     return RunConfig(
         model=model,
         schedule_name="pipedream",
-        parallelism=Parallelism(n_stages=len(plan.stages), stage_ranges=plan.stage_ranges),
-        data=Data(batch=microbatch, seq_len=seq_len),
+        parallelism=Parallelism(
+            n_stages=len(plan.stages), n_data=n_data, stage_ranges=plan.stage_ranges
+        ),
+        data=Data(batch=n_data * microbatch, seq_len=seq_len),
         slicing=Plan((microbatch,), ((seq_len,),)),
         **({"optim": NO_CLIPPING} | fields),
+    )
+
+
+def balance_run(
+    ranges: tuple[StageRange, ...] | list[StageRange],
+    model: str,
+    seq_len: int,
+    batch: int,
+    microbatch: int,
+    **fields: Any,
+) -> RunConfig:
+    """The ``gpipe`` run of a balance's stage ``ranges``: ``batch`` sequences per
+    iteration in microbatches of ``microbatch``; ``fields`` set the rest."""
+    if batch % microbatch:
+        raise ValueError(
+            f"batch={batch} is not a multiple of microbatch={microbatch}: GPipe's "
+            "microbatches are equal"
+        )
+    n = batch // microbatch
+    return RunConfig(
+        model=model,
+        schedule_name="gpipe",
+        parallelism=Parallelism(n_stages=len(ranges), stage_ranges=tuple(ranges)),
+        data=Data(batch=batch, seq_len=seq_len),
+        slicing=Plan((microbatch,) * n, ((seq_len,),) * n),
+        **fields,
     )
