@@ -12,13 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit_costs import UnsplitCosts
+from tests.unit_costs import ConstantCosts, UnsplitCosts
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.schedule import Action, Kind, Schedule, ScheduleError, make_schedule
 from tplib.sim.simulate import (
     TIMELINE_COLUMNS,
-    ConstantCosts,
     SliceModelCosts,
     costs_from_slice_model,
     simulate,
