@@ -39,8 +39,8 @@ from tplib.runtime import (
     Timing,
     train_reference,
 )
-from tplib.runtime.worker import Worker
-from tplib.schedule import Kind, registered, schedule_names
+from tplib.runtime.worker import TRACE_COLUMNS, Worker
+from tplib.schedule import NO_VERSION, Kind, registered, schedule_names
 
 from .conftest import Pools
 
@@ -62,8 +62,13 @@ SLICINGS = {
     "terapipe-zb": [Plan((1, 1), ((7, 1, 8), (3, 13)))],
     "1f1b-zb": [Plan((1, 1), ((5, 11), (2, 6, 8)))],
 }
+# The case of each schedule that make test-fast runs (two stages, one replica, token
+# slices where the schedule takes them): the slicing's index in SLICINGS.
+FAST = {"gpipe": 0, "terapipe": 1, "1f1b": 2, "terapipe-zb": 0, "1f1b-zb": 0}
 CASES = [
-    (schedule, k, r, i)
+    pytest.param(
+        schedule, k, r, i, marks=[pytest.mark.fast] if (k, r, i) == (2, 1, FAST[schedule]) else []
+    )
     for schedule, plans in SLICINGS.items()
     for k in (1, 2, 4)
     for r in (1, 2)
@@ -256,20 +261,18 @@ def test_dropout_on_a_3d_layout_matches_single_process(pools: Callable[[int], Lo
 
 def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
-    trace = pools(2).run(run).trace
-    assert list(trace.columns) == [
-        "rank",
-        "stage",
-        "replica",
-        "op_rank",
-        "iteration",
-        "kind",
-        "b",
-        "t",
-        "v",
-        "start",
-        "end",
-    ]
+    result = pools(2).run(run)
+    trace = result.trace
+    assert list(trace.columns) == list(TRACE_COLUMNS)
+    # Each rank's rows carry its own place in the layout, every timed iteration has its
+    # rows, and a synchronous schedule names no weight version.
+    for r in result.ranks:
+        rows = trace[trace["rank"] == r.rank]
+        assert len(rows) == len(r.trace) > 0
+        assert (rows.stage == r.stage).all() and (rows.replica == r.replica).all()
+        assert (rows.op_rank == r.op_rank).all()
+    assert set(trace.iteration) == set(range(len(result.losses)))
+    assert (trace.v == NO_VERSION).all()
     for stage in range(2):
         rows = trace[(trace.stage == stage) & (trace.iteration == 0)]
         listed = [str(a) for a in run.schedule.actions[stage]]
@@ -345,6 +348,17 @@ def _assert_identical(a: RunResult, b: RunResult, what: str) -> None:
         for key, t in mine.items():
             diff = (t - theirs[key]).abs().max().item()
             assert torch.equal(t, theirs[key]), f"{what}: {name} {key} differs by up to {diff:.3e}"
+
+
+def test_make_test_fast_runs_one_exactness_case_per_registered_schedule() -> None:
+    from tests import test_runtime_async
+
+    fast = [
+        str(case.values[0]).split("+")[0]
+        for case in [*CASES, *test_runtime_async.CASES]
+        if any(m.name == "fast" for m in case.marks)
+    ]
+    assert sorted(fast) == sorted(schedule_names())
 
 
 def test_determinism_covers_every_registered_schedule() -> None:

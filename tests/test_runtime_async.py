@@ -127,11 +127,23 @@ def _check(run: RunConfig, result: RunResult, schedule: str) -> None:
 
 
 SCHEDULES = ["pipedream", "pipedream+vs", "2bw"]
+# make test-fast runs one case of each registered schedule: two stages, token slices.
+FAST = {("pipedream", 2, True), ("2bw", 2, True)}
+CASES = [
+    pytest.param(
+        schedule,
+        k,
+        sliced,
+        id=f"{schedule}-{k}-{'token-sliced' if sliced else 'whole'}",
+        marks=[pytest.mark.fast] if (schedule, k, sliced) in FAST else [],
+    )
+    for schedule in SCHEDULES
+    for k in (1, 2, 4)
+    for sliced in (False, True)
+]
 
 
-@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "token-sliced"])
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("schedule", "k", "sliced"), CASES)
 def test_matches_update_rule(
     pools: Callable[[int], LocalPool], schedule: str, k: int, sliced: bool
 ) -> None:
