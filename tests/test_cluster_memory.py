@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -226,9 +226,8 @@ Measured = Callable[..., tuple[RunConfig, RunResult]]
 
 
 @pytest.fixture(scope="module")
-def measured() -> Iterator[Measured]:
-    """Runs on one LocalPool per world size, each configuration run once and cached."""
-    pools: dict[int, LocalPool] = {}
+def measured(pools: Callable[[int], LocalPool]) -> Measured:
+    """Runs on the module's pools, each configuration run once and cached."""
     results: dict[tuple[str, int, str, float], tuple[RunConfig, RunResult]] = {}
 
     def get(
@@ -237,16 +236,10 @@ def measured() -> Iterator[Measured]:
         key = (schedule, n_op, recompute, dropout)
         if key not in results:
             run = _run_config(schedule, n_op, recompute, dropout)
-            if run.parallelism.world_size not in pools:
-                pools[run.parallelism.world_size] = LocalPool(
-                    run.parallelism.world_size, timeout_s=60
-                )
-            results[key] = run, pools[run.parallelism.world_size].run(run)
+            results[key] = run, pools(run.parallelism.world_size).run(run)
         return results[key]
 
-    yield get
-    for pool in pools.values():
-        pool.close()
+    return get
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)

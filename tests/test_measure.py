@@ -6,7 +6,7 @@ in well under a minute. The accuracy target itself (the simulator within 10% on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -64,12 +64,6 @@ def quiet(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def link() -> Link:
     return measure_link(n_bytes_list=(2**10, 2**16), repeats=3)
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[LocalPool]:
-    with LocalPool(2, timeout_s=60) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +232,14 @@ def _check_measured(df: pd.DataFrame, suffixes: tuple[str, ...]) -> None:
 
 
 @pytest.mark.usefixtures("quiet")
-def test_main_results_measured(link: Link, pool: LocalPool) -> None:
+def test_main_results_measured(link: Link, pools: Callable[[int], LocalPool]) -> None:
     result = run_table(
         "main_results",
         "measure",
         batches=[1, 2],
         seq_len=64,
         link=link,
-        pool=pool,
+        pool=pools(2),
         profiling={**FAST, "granularity": 16, "batch_slice_sizes": (1, 2)},
         **TINY,
     )
@@ -258,14 +252,14 @@ def test_main_results_measured(link: Link, pool: LocalPool) -> None:
 
 
 @pytest.mark.usefixtures("quiet")
-def test_dp_ablation_measured(link: Link, pool: LocalPool) -> None:
+def test_dp_ablation_measured(link: Link, pools: Callable[[int], LocalPool]) -> None:
     result = run_table(
         "dp_ablation",
         "measure",
         slices=[1, 4],
         seq_len=64,
         link=link,
-        pool=pool,
+        pool=pools(2),
         profiling={**FAST, "granularity": 8},
         **TINY,
     )
@@ -279,7 +273,7 @@ def test_dp_ablation_measured(link: Link, pool: LocalPool) -> None:
 
 
 @pytest.mark.usefixtures("quiet")
-def test_seqlen_sweep_measured(link: Link, pool: LocalPool) -> None:
+def test_seqlen_sweep_measured(link: Link, pools: Callable[[int], LocalPool]) -> None:
     result = run_table(
         "seqlen_sweep",
         "measure",
@@ -287,7 +281,7 @@ def test_seqlen_sweep_measured(link: Link, pool: LocalPool) -> None:
         batches=[2, 1],
         n_grid=4,
         link=link,
-        pool=pool,
+        pool=pools(2),
         profiling=FAST,
         **TINY,
     )

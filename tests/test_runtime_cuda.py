@@ -184,11 +184,10 @@ def _check_mixed(
 # ---- bf16 on CPU: runs everywhere ------------------------------------------------------
 
 
-def test_bf16_on_cpu_matches_the_fp32_reference() -> None:
+def test_bf16_on_cpu_matches_the_fp32_reference(pools: Callable[[int], LocalPool]) -> None:
     run = _config(device="cpu", precision="bf16", slicing=4, steps=3)
     assert run.plan == Plan.uniform(2, SEQ_LEN, n_token_slices=4)
-    with LocalPool(2, timeout_s=120) as pool:
-        result = pool.run(run, COLLECT)
+    result = pools(2).run(run, COLLECT)
     assert all(r.steps_skipped == 0 for r in result.ranks)
     ref = _check_mixed(run, result, loss_rel=1e-3, grad_rel=2e-2)
     # Not the fp32 run under another name: bf16 rounding shows in the gradients.
