@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tplib.plan import Plan
 from tplib.runtime import Data, Hooks, Optim, Parallelism, RunConfig, Timing
-from tplib.runtime.runconfig import PARTS
+from tplib.runtime.parts import PARTS
 
 
 def make(fields: Mapping[str, object]) -> RunConfig:

@@ -24,7 +24,7 @@ from tplib.runtime import (
     run_config_to_dict,
     save_run_config,
 )
-from tplib.runtime.runconfig import PARTS
+from tplib.runtime.parts import PARTS
 from tplib.runtime.runfile import FORMAT_1_FIELDS
 
 DATA = Path(__file__).parent / "data"

@@ -15,7 +15,8 @@ from torch import Tensor
 from tplib.nn.data import synthetic_batch
 from tplib.nn.model import build_model
 from tplib.nn.wgrad import main_grad
-from tplib.runtime.runconfig import Data, Parallelism, RunConfig
+from tplib.runtime.parts import Data, Parallelism
+from tplib.runtime.runconfig import RunConfig
 from tplib.runtime.update import Update
 
 

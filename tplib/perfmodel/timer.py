@@ -40,7 +40,7 @@ from tplib.perfmodel.profile import (
     grid_steps,
 )
 from tplib.plan import Unit
-from tplib.runtime.runconfig import Optim
+from tplib.runtime.parts import Optim
 from tplib.runtime.update import stage_optimizer
 
 __all__ = ["StageTimer"]

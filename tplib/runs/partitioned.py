@@ -27,7 +27,8 @@ from tplib.nn.layer_ranges import StageRange
 from tplib.partition.pipedream import PipeDreamPlan
 from tplib.partition.twobw import TwoBWConfig
 from tplib.plan import Plan
-from tplib.runtime.runconfig import Data, Optim, Parallelism, RunConfig
+from tplib.runtime.parts import Data, Optim, Parallelism
+from tplib.runtime.runconfig import RunConfig
 from tplib.search.layout import Candidate, Search
 
 __all__ = ["balance_run", "pipedream_run", "search_run", "twobw_run"]

@@ -24,8 +24,9 @@ from typing import Any
 
 from tplib.paper import TERAPIPE, main_row, seqlen_row, setting
 from tplib.plan import Plan
+from tplib.runtime.parts import Data, Parallelism, Timing
 from tplib.runtime.result import RunResult
-from tplib.runtime.runconfig import Data, Parallelism, RunConfig, Timing
+from tplib.runtime.runconfig import RunConfig
 from tplib.runtime.runfile import save_run_config
 
 __all__ = [

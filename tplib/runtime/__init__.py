@@ -3,9 +3,9 @@
 ================  ====================================================================
 module            what it holds
 ================  ====================================================================
-``runconfig``     :class:`RunConfig` (one training run, checked whole), its parts
-                  (:class:`Parallelism`, :class:`Data`, :class:`Optim`, :class:`Timing`)
-                  and :class:`Hooks`
+``runconfig``     :class:`RunConfig` (one training run, checked whole) and :class:`Hooks`
+``parts``         its parts: :class:`Parallelism`, :class:`Data`, :class:`Optim`,
+                  :class:`Timing`, each checking its own fields
 ``runfile``       a :class:`RunConfig` as JSON, for torchrun jobs and batch scripts
 ``worker``        the per-process interpreter: a dispatch table from action kind to method
 ``groups``        a rank's process groups, its peers between stages, staged collectives
@@ -30,7 +30,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tplib.runtime.runconfig import Data, Hooks, Optim, Parallelism, RunConfig, Timing
+from tplib.runtime.parts import Data, Optim, Parallelism, Timing
+from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.runfile import (
     load_run_config,
     run_config_from_dict,

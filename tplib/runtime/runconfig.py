@@ -1,7 +1,8 @@
 """What one training run is: :class:`RunConfig`, checked whole before any process starts.
 
 A run names the model, the schedule and its slicing, recomputation and the precision,
-and holds four parts, each a small frozen dataclass that checks its own fields:
+and holds four parts (:mod:`tplib.runtime.parts`), each a small frozen dataclass that
+checks its own fields:
 
 =========================  ================================================================
 part                       what it says
@@ -38,220 +39,21 @@ from tplib.nn.configs import (
     check_precision,
     check_recompute,
     get_config,
-    is_finite,
-    is_int_pair,
     padded_vocab,
 )
 from tplib.nn.layer_ranges import StageRange, balanced_stages, check_stage_ranges
-from tplib.nn.lr import LR_SCHEDULES, LRSchedule
+from tplib.nn.lr import LRSchedule
 from tplib.plan import Plan
+from tplib.runtime.parts import PARTS, SEEDS, Data, Optim, Parallelism, Timing
 from tplib.schedule import Schedule, make_schedule, schedule_names
 from tplib.schedule.nccl import PostingPlan, check_nccl, posting_plan
 
-__all__ = [
-    "DATA_SOURCES",
-    "WEIGHT_DECAY_PARAMS",
-    "Data",
-    "Hooks",
-    "Optim",
-    "Parallelism",
-    "RunConfig",
-    "Timing",
-]
+__all__ = ["Hooks", "RunConfig"]
 
-WEIGHT_DECAY_PARAMS = ("matrices", "all")
-DATA_SOURCES = ("synthetic", "stdlib")
 # The most (unit, stage) pairs a run's schedule may hold: every rank builds and validates
 # the whole schedule (0.1-0.3 ms a pair on this machine), so batch=10**9 is refused at
 # once, not after hours. Table 1's largest run holds a few ten thousand.
 MAX_UNIT_STAGES = 1 << 18
-SEEDS = (0, 2**63 - 1)  # what torch's generators take
-
-
-@dataclass(frozen=True, kw_only=True)
-class Parallelism:
-    """The paper's layout of a run: ``n_data`` (#Data) replicas of a pipeline of
-    ``n_stages`` (#Pipe) stages, each stage operation-partitioned over ``n_op`` (#Op) ranks.
-
-    Ranks are numbered op innermost, then stage, then replica, so under torchrun's
-    ``--nproc-per-node`` a stage's #Op ranks are consecutive and share a node. Give
-    ``ranks_per_node`` (the processes per node) and the layout checks that they do.
-    ``stage_ranges`` gives each stage's layers ``[lo, hi)`` (default: as equal as
-    possible); whether they fit the model is the run's check, which knows the model.
-    """
-
-    n_stages: int = 1
-    n_data: int = 1
-    n_op: int = 1
-    ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
-    stage_ranges: tuple[StageRange, ...] | None = None
-
-    def __post_init__(self) -> None:
-        check_numbers(
-            self,
-            integers={
-                **dict.fromkeys(("n_stages", "n_data", "n_op"), (1, None)),
-                "ranks_per_node": (0, None),
-            },
-            reals={},
-        )
-        r = self.stage_ranges
-        if r is not None and not (isinstance(r, tuple | list) and all(map(is_int_pair, r))):
-            raise ValueError(
-                f"Parallelism.stage_ranges={r!r} must be (lo, hi) integer pairs, one per stage"
-            )
-        if self.ranks_per_node % self.n_op:
-            raise ValueError(
-                f"n_op={self.n_op} with ranks_per_node={self.ranks_per_node}: a stage's #Op "
-                "ranks must lie on one node (operation partitioning stays inside a node), so "
-                "#Op must divide the ranks per node"
-            )
-
-    @property
-    def world_size(self) -> int:
-        """#Data x #Pipe x #Op processes."""
-        return self.n_data * self.n_stages * self.n_op
-
-    def position(self, rank: int) -> tuple[int, int, int]:
-        """(replica, stage, op rank) of global ``rank``."""
-        return (
-            rank // (self.n_stages * self.n_op),
-            rank // self.n_op % self.n_stages,
-            rank % self.n_op,
-        )
-
-    def rank_of(self, replica: int, stage: int, op_rank: int = 0) -> int:
-        """Global rank of (replica, stage, op rank): op innermost, then stage, then replica."""
-        return (replica * self.n_stages + stage) * self.n_op + op_rank
-
-    def check_world_size(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless ``world_size`` processes are this layout."""
-        if world_size != self.world_size:
-            raise ValueError(
-                f"world size {world_size} is not #Data x #Pipe x #Op = {self.n_data} x "
-                f"{self.n_stages} x {self.n_op} = {self.world_size}"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Data:
-    """What each iteration trains on: ``batch`` (B, the global batch of all replicas
-    together) sequences of ``seq_len`` (L) tokens. Iteration i trains on the batch of seed
-    ``seed + i`` from ``source``: "synthetic" (seeded random ids) or "stdlib" (byte-level
-    text of the Python standard library, :mod:`tplib.nn.corpus`)."""
-
-    batch: int = 1
-    seq_len: int = 64
-    source: str = "synthetic"
-    seed: int = 1
-
-    def __post_init__(self) -> None:
-        check_numbers(
-            self,
-            integers={"batch": (1, None), "seq_len": (1, None), "seed": SEEDS},
-            reals={},
-        )
-        if self.source not in DATA_SOURCES:
-            raise ValueError(f"Data.source={self.source!r}: choose one of {DATA_SOURCES}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Optim:
-    """The optimizer's recipe, GPT-3's (Brown et al., 2020, appendix B) by default: AdamW
-    with betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on the matrices only
-    (``weight_decay_params``), the gradient clipped to a global norm of ``grad_clip``
-    (over the whole model, every stage, op rank and replica: what one device computes),
-    and the learning rate warmed up linearly over ``lr_warmup_steps`` optimizer steps,
-    then decayed with a cosine to ``min_lr_ratio * lr`` at step ``lr_decay_steps`` (by
-    default the step after the run's last: :attr:`RunConfig.lr_schedule`) and held there;
-    see :mod:`tplib.nn.lr` for the exact formula. Steps count every iteration, the untimed
-    warm-up ones of :class:`Timing` included, and an fp16 step skipped on overflow still
-    uses up its rate."""
-
-    lr: float = 1e-3  # the peak learning rate, reached after the LR warm-up
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    adam_eps: float = 1e-8
-    # Which parameters AdamW decays: "matrices" (ndim >= 2: product weights and the
-    # embeddings; biases and LayerNorm gains and biases exempt, as GPT-3) | "all".
-    weight_decay_params: str = "matrices"
-    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0: no clipping
-    # "cosine" (warm-up, cosine decay, floor) | "constant"; the schedule itself, which
-    # needs the run's length, is RunConfig.lr_schedule.
-    lr_schedule_name: str = "cosine"
-    lr_warmup_steps: int = 2  # optimizer steps of linear LR warm-up (not Timing.warmup)
-    lr_decay_steps: int | None = None  # the step the cosine ends; None: the run's end
-    min_lr_ratio: float = 0.1  # the cosine's floor, a fraction of ``lr``
-
-    def __post_init__(self) -> None:
-        check_numbers(
-            self,
-            integers={"lr_warmup_steps": (0, None)},
-            reals={
-                "lr": (lambda x: x > 0, "be a finite positive learning rate"),
-                "weight_decay": (lambda x: x >= 0, "be a finite weight decay >= 0"),
-                "adam_eps": (lambda x: x > 0, "be a finite AdamW eps > 0"),
-                "grad_clip": (lambda x: x >= 0, "be a finite norm >= 0 (0: no clipping)"),
-                "min_lr_ratio": (
-                    lambda x: 0 <= x <= 1,
-                    "lie in [0, 1]: the cosine's floor, a share of lr",
-                ),
-            },
-        )
-        b = self.betas
-        if not (
-            isinstance(b, tuple | list)
-            and len(b) == 2
-            and all(is_finite(x) and 0 <= x < 1 for x in b)
-        ):
-            raise ValueError(f"Optim.betas={b!r} must be AdamW's two betas, each in [0, 1)")
-        if self.weight_decay_params not in WEIGHT_DECAY_PARAMS:
-            raise ValueError(
-                f"Optim.weight_decay_params={self.weight_decay_params!r}: choose one of "
-                f"{WEIGHT_DECAY_PARAMS} ('matrices': parameters with ndim >= 2, as GPT-3)"
-            )
-        if self.lr_schedule_name not in LR_SCHEDULES:
-            raise ValueError(
-                f"Optim.lr_schedule_name={self.lr_schedule_name!r}: choose one of {LR_SCHEDULES}"
-            )
-        w = self.lr_warmup_steps
-        d = self.lr_decay_steps
-        if d is not None:
-            if self.lr_schedule_name != "cosine":
-                raise ValueError(
-                    f"Optim.lr_decay_steps={d!r} with lr_schedule_name="
-                    f"{self.lr_schedule_name!r}: only the cosine schedule decays; leave it None"
-                )
-            if isinstance(d, bool) or not isinstance(d, int) or d < w:
-                raise ValueError(
-                    f"Optim.lr_decay_steps={d!r} must be an integer >= lr_warmup_steps={w}: "
-                    "the cosine ends at that step, counted from the first, warm-up included"
-                )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Timing:
-    """How long a run runs and waits: ``warmup`` untimed iterations, then ``steps`` timed
-    ones (every one trains); ``timeout_s``, the longest any process waits for a message or
-    a collective; ``threads``, torch's threads per process (0: this machine's cores split
-    evenly between the run's processes)."""
-
-    steps: int = 1
-    warmup: int = 0  # iterations run before the timed ``steps``
-    timeout_s: float = 180.0
-    threads: int = 0
-
-    def __post_init__(self) -> None:
-        check_numbers(
-            self,
-            integers={"steps": (1, None), "warmup": (0, None), "threads": (0, None)},
-            reals={"timeout_s": (lambda x: x > 0, "be positive seconds, finite")},
-        )
-
-    @property
-    def iterations(self) -> int:
-        """Every iteration the run trains: ``warmup + steps``."""
-        return self.warmup + self.steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,10 +84,10 @@ class RunConfig:
     schedule_name: str = "terapipe"
     vertical_sync: bool = False  # pipedream only: every stage uses the entry version
     slicing: Plan | int = 1
-    parallelism: Parallelism = Parallelism()
-    data: Data = Data()
-    optim: Optim = Optim()
-    timing: Timing = Timing()
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    data: Data = field(default_factory=Data)
+    optim: Optim = field(default_factory=Optim)
+    timing: Timing = field(default_factory=Timing)
     seed: int = 0  # model initialisation
     device: str = "cpu"
     precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (CUDA: fp32 master weights)
@@ -466,12 +268,6 @@ class RunConfig:
 
 
 # A RunConfig's parts by field name: what its JSON nests (tplib.runtime.runfile).
-PARTS: dict[str, type[Parallelism | Data | Optim | Timing]] = {
-    "parallelism": Parallelism,
-    "data": Data,
-    "optim": Optim,
-    "timing": Timing,
-}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from tplib.plan import Plan
-from tplib.runtime.runconfig import PARTS, RunConfig
+from tplib.runtime.parts import PARTS
+from tplib.runtime.runconfig import RunConfig
 from tplib.util.files import write_json
 
 __all__ = [

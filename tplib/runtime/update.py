@@ -23,7 +23,8 @@ from tplib.nn.oppart import shard_spec
 from tplib.nn.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
 from tplib.nn.wgrad import grad_buffer
 from tplib.runtime.groups import RankGroups, shared_weight
-from tplib.runtime.runconfig import Optim, RunConfig
+from tplib.runtime.parts import Optim
+from tplib.runtime.runconfig import RunConfig
 
 __all__ = ["Update", "stage_optimizer"]
 
