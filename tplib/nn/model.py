@@ -49,7 +49,7 @@ from tplib.nn.oppart import (
     vocab_parallel_embedding,
 )
 
-__all__ = ["GPTStage", "_init_parameters", "build_model", "check_op", "check_stage_range"]
+__all__ = ["GPTStage", "build_model", "check_op", "check_stage_range"]
 
 
 def _op_size(op: OpGroup | None) -> int:

@@ -26,10 +26,10 @@ from tplib.nn.configs import check_numbers, is_finite, is_int_pair
 from tplib.nn.layer_ranges import StageRange
 from tplib.nn.lr import LR_SCHEDULES
 
-__all__ = ["DATA_SOURCES", "PARTS", "WEIGHT_DECAY_PARAMS", "Data", "Optim", "Parallelism", "Timing"]
+__all__ = ["PARTS", "WEIGHT_DECAY_PARAMS", "Data", "Optim", "Parallelism", "Timing"]
 
 WEIGHT_DECAY_PARAMS = ("matrices", "all")
-DATA_SOURCES = ("synthetic", "stdlib")
+_DATA_SOURCES = ("synthetic", "stdlib")
 SEEDS = (0, 2**63 - 1)  # what torch's generators take
 
 
@@ -116,8 +116,8 @@ class Data:
             integers={"batch": (1, None), "seq_len": (1, None), "seed": SEEDS},
             reals={},
         )
-        if self.source not in DATA_SOURCES:
-            raise ValueError(f"Data.source={self.source!r}: choose one of {DATA_SOURCES}")
+        if self.source not in _DATA_SOURCES:
+            raise ValueError(f"Data.source={self.source!r}: choose one of {_DATA_SOURCES}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ from torch import nn
 
 from tplib.schedule import NO_VERSION, Action
 
-__all__ = ["WeightVersions", "_last_uses"]
+__all__ = ["WeightVersions"]
 
 
 def _last_uses(actions: Sequence[Action]) -> dict[int, int]:

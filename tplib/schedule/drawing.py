@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from tplib.schedule.actions import WORK, Action, Kind, Schedule, ScheduleError
 from tplib.schedule.engine import run
 
-__all__ = ["GRID_STEPS", "SERVES", "draw_schedule", "schedule_error", "unit_cost"]
+__all__ = ["SERVES", "draw_schedule", "schedule_error", "unit_cost"]
 
-GRID_STEPS = 24  # error messages show at most this many steps around the faulty action
+_GRID_STEPS = 24  # error messages show at most this many steps around the faulty action
 
 # Which compute action a send or receive serves: the grid draws compute only, so a faulty
 # send or receive is drawn on the forward or backward it belongs to.
@@ -121,7 +121,7 @@ def schedule_error(
 ) -> ScheduleError:
     """The error for the actions at ``positions`` ((stage, index) pairs), with the grid."""
     where = ", ".join(f"stage {k} action #{i}" for k, i in positions)
-    grid = _grid(schedule, positions, GRID_STEPS)
+    grid = _grid(schedule, positions, _GRID_STEPS)
     text = f"{reason} [{where}]" if where else reason
     return ScheduleError(
         f"schedule {schedule.name!r} is invalid: {text}\n{grid}",

@@ -45,24 +45,22 @@ from tplib.schedule.drawing import schedule_error, unit_cost
 from tplib.schedule.engine import Link, TimedAction, link_of, run
 
 __all__ = [
-    "POSTINGS",
     "Message",
     "PostGroup",
     "Posting",
     "PostingPlan",
     "check_nccl",
-    "peer_of",
     "posting_plan",
     "run_nccl",
 ]
 
 Posting = Literal["naive", "ordered"]
-POSTINGS: tuple[Posting, ...] = get_args(Posting)
+_POSTINGS: tuple[Posting, ...] = get_args(Posting)
 PostingPlan = tuple[tuple["PostGroup", ...], ...]  # per stage, what it posts and where
 Message = tuple[Link, int]  # a link and the message's index on it (FIFO)
 
 
-def peer_of(a: Action) -> int:
+def _peer_of(a: Action) -> int:
     """The stage at the other end of a send's or receive's link."""
     _, src, dst = link_of(a)
     return dst if a.kind in SENDS else src
@@ -110,7 +108,7 @@ def _consensus(
         # receive (FIFO).
         last: dict[str, Message] = {}
         for i, m in messages[side]:
-            if peer_of(acts[i]) != peer:
+            if _peer_of(acts[i]) != peer:
                 continue
             nodes.add(m)
             if acts[i].kind in SENDS:
@@ -149,8 +147,8 @@ def _consensus(
 def posting_plan(schedule: Schedule, posting: Posting = "ordered") -> PostingPlan:
     """Per stage, the groups of messages it posts and where (see the module); the
     schedule must be valid."""
-    if posting not in POSTINGS:
-        raise ValueError(f"posting={posting!r}: choose one of {list(POSTINGS)}")
+    if posting not in _POSTINGS:
+        raise ValueError(f"posting={posting!r}: choose one of {list(_POSTINGS)}")
     acts = schedule.actions
     messages = _messages(schedule)
     at: list[dict[int, int]] = [{} for _ in acts]  # stage -> action index -> post index
@@ -197,7 +195,7 @@ def _groups(acts: tuple[Action, ...], at: dict[int, int], merge: bool) -> tuple[
         previous = place
     members: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, place in at.items():
-        members[start[place], peer_of(acts[i])].append(i)
+        members[start[place], _peer_of(acts[i])].append(i)
     return tuple(
         PostGroup(place, peer, tuple(acts[i] for i in sorted(indices)))
         for (place, peer), indices in sorted(members.items())

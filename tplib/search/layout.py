@@ -47,7 +47,7 @@ from tplib.partition.topology import Topology
 from tplib.planner import plan_slices
 from tplib.sim.simulate import simulate_schedule
 
-__all__ = ["Candidate", "Layout", "Search", "_memory_floor", "autoplan", "latency_floor", "layouts"]
+__all__ = ["Candidate", "Layout", "Search", "autoplan", "latency_floor", "layouts"]
 
 EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
 GRANULARITY = 8

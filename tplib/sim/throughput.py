@@ -42,12 +42,9 @@ from tplib.sim.costs import ActionCosts
 from tplib.sim.simulate import SimResult, simulate
 
 __all__ = [
-    "BUSY_KINDS",
     "Steady",
-    "default_window",
     "slope",
     "steady_bubble",
-    "steady_from_schedule",
     "steady_of",
     "steady_state",
     "steady_window",
@@ -55,7 +52,7 @@ __all__ = [
 ]
 
 # What occupies a stage in a timeline; sends only when they block their stage.
-BUSY_KINDS = frozenset(k.value for k in (Kind.F, Kind.B, Kind.RA, Kind.RG, Kind.AR, Kind.OPT))
+_BUSY_KINDS = frozenset(k.value for k in (Kind.F, Kind.B, Kind.RA, Kind.RG, Kind.AR, Kind.OPT))
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,11 +120,11 @@ def steady_bubble(
     timeline: pd.DataFrame, start: float, end: float, *, blocking_sends: bool = False
 ) -> float:
     """The idle share of all ranks' time within [start, end] of ``timeline``: one minus
-    the overlap of each busy row (:data:`BUSY_KINDS`, and ``SA``/``SG`` when sends
+    the overlap of each busy row (:data:`_BUSY_KINDS`, and ``SA``/``SG`` when sends
     block) with the window, over ranks x window."""
     if not end > start:
         raise ValueError(f"window [{start}, {end}] is empty")
-    kinds = BUSY_KINDS | ({Kind.SA.value, Kind.SG.value} if blocking_sends else set())
+    kinds = _BUSY_KINDS | ({Kind.SA.value, Kind.SG.value} if blocking_sends else set())
     busy = timeline[timeline["kind"].isin(kinds)]
     overlap = np.clip(
         np.minimum(busy["end"].to_numpy(float), end)
@@ -139,7 +136,7 @@ def steady_bubble(
     return float(1.0 - overlap.sum() / (n_ranks * (end - start)))
 
 
-def steady_from_schedule(
+def _steady_from_schedule(
     schedule: Schedule, costs: ActionCosts, window: tuple[int, int] | None = None
 ) -> Steady:
     """Simulate ``schedule`` under ``costs`` and read its steady state
@@ -147,7 +144,7 @@ def steady_from_schedule(
     return steady_of(schedule, simulate(schedule, costs), window, costs.blocking_sends)
 
 
-def default_window(schedule: Schedule) -> tuple[int, int]:
+def _default_window(schedule: Schedule) -> tuple[int, int]:
     """The window :func:`steady_window` gives ``schedule``'s plan per iteration, or, when
     the schedule has fewer iterations than that needs, all but the first and last."""
     n, m = schedule.n_iterations, schedule.batch_slices_per_iteration
@@ -166,12 +163,12 @@ def steady_of(
 ) -> Steady:
     """The steady state of ``schedule`` from its simulation ``sim``: the flushed latency
     for a synchronous schedule, the slope of T_i over ``window`` (iterations a..b;
-    default :func:`default_window`) for an asynchronous one."""
+    default :func:`_default_window`) for an asynchronous one."""
     if not schedule.asynchronous:
         ends = np.array([sim.latency])
         return Steady(schedule.name, 1, sim.latency, sim.bubble_fraction, (0, 1), ends, 0.0, sim)
     n = schedule.n_iterations
-    a, b = default_window(schedule) if window is None else window
+    a, b = _default_window(schedule) if window is None else window
     if not 0 <= a < b < n:
         raise ValueError(f"window={(a, b)} must satisfy 0 <= a < b < n_iterations={n}")
     ends = update_ends(sim.timeline)
@@ -206,9 +203,9 @@ def steady_state(
     first (slow on big ones: the generators have their own tests)."""
     if not registered(name).asynchronous:
         schedule = make_schedule(name, n_stages, plan, validate=validate)
-        return steady_from_schedule(schedule, costs)
+        return _steady_from_schedule(schedule, costs)
     n, a, b = steady_window(n_stages, plan, window)
     schedule = make_schedule(
         name, n_stages, plan, n_iterations=n, vertical_sync=vertical_sync, validate=validate
     )
-    return steady_from_schedule(schedule, costs, (a, b))
+    return _steady_from_schedule(schedule, costs, (a, b))

@@ -73,11 +73,11 @@ from tplib.tables.systems_figures import (
 )
 from tplib.util.files import write_csv
 
-__all__ = ["DEFAULT_SETTINGS", "TABLE", "measure", "save_tables", "simulate", "simulated_systems"]
+__all__ = ["TABLE", "measure", "save_tables", "simulate", "simulated_systems"]
 
 GIB = 2**30
 Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
-DEFAULT_SETTINGS = (3, 5, 8, 9)  # one per model: GPT3-1B, 13B, 44B, 175B
+_DEFAULT_SETTINGS = (3, 5, 8, 9)  # one per model: GPT3-1B, 13B, 44B, 175B
 
 
 def _cost(s: Setting, recompute: str, calibration: Calibration) -> ClusterCostModel:
@@ -144,7 +144,7 @@ def simulate_system(
 
 
 def simulated_systems(
-    settings: Iterable[int] = DEFAULT_SETTINGS,
+    settings: Iterable[int] = _DEFAULT_SETTINGS,
     systems: Sequence[str] = tuple(SYSTEMS),
     *,
     window: int = 4,
@@ -176,7 +176,7 @@ def simulated_systems(
 
 
 def simulate(
-    settings: Sequence[int] = DEFAULT_SETTINGS,
+    settings: Sequence[int] = _DEFAULT_SETTINGS,
     systems: Sequence[str] = tuple(SYSTEMS),
     window: int = 4,
     eps: float = EPS,

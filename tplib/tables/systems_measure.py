@@ -43,16 +43,10 @@ from tplib.tables.systems import SYSTEMS, check_systems, delay, infeasible, syst
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool
 
-__all__ = [
-    "EFFICIENCY_SYSTEMS",
-    "RecomputeCosts",
-    "measure_rows",
-    "measured_systems",
-    "statistical_efficiency",
-]
+__all__ = ["RecomputeCosts", "measure_rows", "measured_systems", "statistical_efficiency"]
 
 Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
-EFFICIENCY_SYSTEMS = ("PipeDream-Flush", "PipeDream-2BW", "PipeDream")
+_EFFICIENCY_SYSTEMS = ("PipeDream-Flush", "PipeDream-2BW", "PipeDream")
 BYTE_VOCAB = (("vocab_size", 256),)  # the stdlib corpus is bytes
 
 
@@ -189,7 +183,7 @@ def measured_systems(
 def statistical_efficiency(
     steps: int = 300,
     *,
-    systems: Sequence[str] = EFFICIENCY_SYSTEMS,
+    systems: Sequence[str] = _EFFICIENCY_SYSTEMS,
     model: str = "tiny",
     model_overrides: Overrides = BYTE_VOCAB,
     n_stages: int = 2,
