@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 GPU_PYTHON_GIVEN := $(filter command line environment,$(origin PYTHON))
 GPU_PY := $(if $(GPU_PYTHON_GIVEN),$(PYTHON),$(PY))
 
-.PHONY: all test test-browser reproduce lab lint format bench gpu-check gpu-check-rehearsal clean
+.PHONY: all test test-fast test-browser reproduce lab lint format bench gpu-check gpu-check-rehearsal clean
 
 all: test
 
@@ -29,6 +29,15 @@ $(STAMP): pyproject.toml
 # failure of the suite.
 test: lint
 	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The fast tier, for the edit-test loop: under 2 minutes on 2 cores. pytest only, no lint
+# (make lint for that). It leaves out the tests marked slow, system (they start processes),
+# notebook and cuda (tests/conftest.py marks them), but keeps one runtime exactness case per
+# schedule (marked fast); each hypothesis property tries a few examples.
+test-fast: $(STAMP)
+	@HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -p no:cacheprovider \
+	  -m "fast or not (slow or system or notebook or cuda)"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # MODE=all (simulate, then measure on real local processes) | simulate | measure.

@@ -1,8 +1,12 @@
-"""Shared test helpers: the exactness criterion used across the suite, and the local
-process pools the runtime tests share within a module."""
+"""Shared test helpers: the exactness criterion used across the suite, the local process
+pools the runtime tests share within a module, a fresh interpreter for what an import
+loads, the explorer's synthetic profile, and the hooks of the suite's tiers
+(tests/tiers.py: the markers make test-fast selects by, and the guard that keeps them
+true). HYPOTHESIS_PROFILE picks the hypothesis profile."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import tiers
 from tests.explorer_cases import write_profile
 from tplib.runtime import LocalPool
 
@@ -20,8 +25,11 @@ try:
 except ImportError:  # a GPU node running gpu-check's tests needs no hypothesis
     pass
 else:
+    # HYPOTHESIS_PROFILE picks one: ci (the default; hypothesis's own example counts) or
+    # quick (make test-fast: a few examples each, the property still tried).
     settings.register_profile("ci", deadline=None, print_blob=True)
-    settings.load_profile("ci")
+    settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,3 +130,32 @@ def code_copy(dest: Path, paths: Sequence[str]) -> Path:
             (dest / rel).write_bytes((ROOT / rel).read_bytes())
             (dest / rel).chmod((ROOT / rel).stat().st_mode)
     return dest
+
+
+# ---- tiers: the markers make test-fast selects by (tests/tiers.py) ----------------------
+
+_STARTED = pytest.StashKey[list[str]]()
+
+
+# First, so that -m selects on these markers too.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.mark(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    with tiers.watch() as started:
+        item.stash[_STARTED] = started
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if call.when == "teardown" and report.passed:
+        why = tiers.unmarked_processes(item, item.stash.get(_STARTED, []))
+        if why is not None:
+            report.outcome = "failed"
+            report.longrepr = why

@@ -26,6 +26,7 @@ def test_busiest_stage_work_sums_compute_per_rank() -> None:
     assert busiest.tolist() == [3.0, 2.0]
 
 
+@pytest.mark.system  # bench's local processes start inside main()
 def test_bench_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "bench",

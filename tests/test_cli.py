@@ -331,6 +331,7 @@ BENCH = ["bench", "--model", "tiny", "--schedule", "terapipe", "--stages", "2", 
 BENCH += ["--seq-len", "16", "--slices", "4"]
 
 
+@pytest.mark.system  # bench's local processes start inside main()
 def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[str]) -> None:
     # #Pipe x #Op = 2 x 2: four local processes, one quick iteration.
     argv = [*BENCH, "--op", "2", "--recompute", "full", "--iters", "1", "--warmup", "0"]

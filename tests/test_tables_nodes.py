@@ -78,6 +78,7 @@ def test_launch_rejects_bad_descriptions() -> None:
         Launch(command="torchrun train.py")
 
 
+@pytest.mark.system  # run_table's measure mode launches the command below
 def test_ablation_rows_come_from_the_runs_results(tmp_path: Path) -> None:
     stand_in = tmp_path / "stand_in.json"
     save_run_config(TINY, stand_in)
