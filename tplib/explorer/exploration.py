@@ -98,14 +98,7 @@ class Exploration:
             ),
             ("GPipe (w/o TeraPipe)", gpipe, self.gpipe_predicted, g_sim, gib[1], fits[1]),
         ]
-        columns = [
-            "algorithm",
-            "plan_slices",
-            "predicted_s",
-            "simulated_s",
-            "memory_gib",
-            "fits_memory",
-        ]
+        columns = ["algorithm", "plan", "predicted_s", "simulated_s", "memory_gib", "fits_memory"]
         df = pd.DataFrame(rows, columns=columns)
         df.insert(4, "speedup_predicted", self.gpipe_predicted / df["predicted_s"])
         df.insert(5, "speedup_simulated", g_sim / df["simulated_s"])
