@@ -352,7 +352,7 @@ def test_replay_with_transfer_times() -> None:
     assert got[(0, "B b0 t0")] == (4.0, 5.0)
 
 
-def test_format_grid_marks_an_action() -> None:
+def test_draw_schedule_marks_an_action() -> None:
     s = one_f_one_b(3, TOKEN_PLAN)
     grid = draw_schedule(s, Action(Kind.RG, 0, 0, 1))  # a receive marks its backward
     assert ">B b0 t1<" in grid and grid.count(">") == 1
