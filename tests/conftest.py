@@ -143,11 +143,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.mark(items)
 
 
+# Watched in setup and call only: a teardown also closes the module's and the session's
+# fixtures (their processes ending, a namespace removed), which belong to no one test.
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     with tiers.watch() as started:
-        item.stash[_STARTED] = started
         yield
+    item.stash[_STARTED] = started
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with tiers.watch() as started:
+        yield
+    item.stash[_STARTED] = item.stash.get(_STARTED, []) + started
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -10,12 +10,12 @@ The front door: the nouns and verbs a user starts with, each loaded on first use
                              n_stages=s.n_stages)          # Algorithm 1's plan
     schedule = tplib.make_schedule("terapipe", s.n_stages, plan)  # a schedule, as data
     tplib.simulate(schedule, costs).latency                # its iteration, simulated
-    tplib.autoplan("GPT3-1B", 192, 128)                    # or search the whole layout
+    tplib.autoplan("GPT3-1B", 16, 32)                      # or search the whole layout
     run = tplib.setting_run(9)                             # the setting, as a run
     pipe = tplib.Parallelism(n_stages=2)                   # #Pipe = 2 (#Data, #Op: 1)
     tplib.launch(tplib.RunConfig(model="tiny", schedule_name="terapipe",
                                  parallelism=pipe, slicing=4))  # a run on local processes
-    tplib.run_table("main_results", "simulate")            # a paper table, reproduced
+    tplib.run_table("main_results", "simulate", settings=[9])  # a paper table's row
 
 Everything else lives in the subpackages the README's layout table names.
 """
