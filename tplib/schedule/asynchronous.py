@@ -26,6 +26,7 @@ hold at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import NO_VERSION, Action, Kind, Schedule
@@ -161,6 +162,7 @@ def two_bw(n_stages: int, plan: Plan, n_iterations: int) -> Schedule:
     return _build(name, n_stages, units, n_iterations, orders, versions)
 
 
+@cache  # a search over simulated orders: seconds for deep pipelines, asked again and again
 def min_microbatches(n_stages: int, token_slices: tuple[int, ...]) -> int:
     """The fewest microbatches per iteration (each cut into ``token_slices``) with which
     every forward of 2BW's 1F1B order finds its version already made on its stage."""
