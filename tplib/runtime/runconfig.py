@@ -1,21 +1,9 @@
 """What one training run is: :class:`RunConfig`, checked whole before any process starts.
 
 A run names the model, the schedule and its slicing, recomputation and the precision,
-and holds four parts (:mod:`tplib.runtime.parts`), each a small frozen dataclass that
-checks its own fields:
-
-=========================  ================================================================
-part                       what it says
-=========================  ================================================================
-:class:`Parallelism`       the parallel layout: #Data replicas x #Pipe stages x #Op ranks,
-                           the ranks per node, each stage's layers; where a rank sits
-:class:`Data`              what each iteration trains on: B sequences of L tokens, their
-                           source and seed
-:class:`Optim`             the optimizer's recipe: AdamW's hyperparameters, gradient
-                           clipping, the learning-rate schedule
-:class:`Timing`            how long the run runs and waits: untimed and timed iterations,
-                           the longest wait for a message, torch threads per process
-=========================  ================================================================
+and holds four parts, each a small frozen dataclass that checks its own fields
+(:mod:`tplib.runtime.parts`): :class:`Parallelism`, :class:`Data`, :class:`Optim` and
+:class:`Timing`.
 
 What involves two parts, or a part and the model (the batch against #Data, the stages
 against the model's layers, an asynchronous schedule against clipping), is checked by
