@@ -35,7 +35,7 @@ from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
 from tplib.nn.configs import GPTConfig, check_recompute, get_config, n_params_per_layer
 from tplib.paper import Setting
 from tplib.plan import Plan
-from tplib.schedule import SENDS, Action, Kind, covered_slices, link_of
+from tplib.schedule import SENDS, Action, Kind, covered_slices
 from tplib.sim.costs import memo, ring_allreduce, unit_shape
 
 __all__ = ["ClusterCostModel"]
@@ -288,7 +288,10 @@ class ClusterCostModel:
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         """A send's time on the link; a receive's own time on the receiving stage."""
         size, length, _ = unit_shape(plan, action)
-        _, src, dst = link_of(action)
+        # One chunk per stage: the peer is the neighbouring stage.
+        toward = 1 if action.kind in (Kind.SA, Kind.RG) else -1
+        peer = stage + toward
+        src, dst = (stage, peer) if action.kind in SENDS else (peer, stage)
         return self._transfer(action.kind in SENDS, src, dst, size, length)
 
     @memo

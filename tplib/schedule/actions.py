@@ -8,6 +8,13 @@ end of the iteration, to the stage as a whole. It is plain data, printed compact
 serves the runtime (which interprets it), the simulator (which replays it with costs),
 the plots and the tests.
 
+With virtual pipeline stages (:mod:`tplib.schedule.chunks`) each rank holds ``v``
+chunks of the model's layers: an action also names its chunk ``c``, printed ``F b0 t2 c1``
+(chunk 0 is left out), and the schedule's ``placement`` says which rank holds each part of
+the model; stage k of the schedule is then rank k. Sends and receives go to the rank that
+holds the neighbouring part; between two chunks of one rank the activation and the
+gradient pass without a message.
+
 A synchronous schedule is one iteration, ended by the update. An asynchronous one
 (PipeDream, PipeDream-2BW) runs ``n_iterations`` iterations without a flush: its plan is
 the iteration's plan repeated, batch slice ``b`` belonging to iteration
@@ -28,6 +35,7 @@ from enum import StrEnum
 from typing import IO
 
 from tplib.plan import Plan, Unit
+from tplib.schedule.chunks import Placement, check_placement, identity, part_of, rank_chunk
 
 __all__ = [
     "COMMUNICATION",
@@ -81,8 +89,9 @@ WHOLE_SEQUENCE = -1  # t of a W that covers every token slice of its batch slice
 
 
 _ACTION_RE = re.compile(
-    r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)(?:\s+v(?P<v>\d+))?"
-    r"|W\s+b(?P<wb>\d+)(?:\s+t(?P<wt>\d+))?"
+    r"^\s*(?:(?P<kind>F|B|SA|RA|SG|RG)\s+b(?P<b>\d+)\s+t(?P<t>\d+)(?:\s+c(?P<c>\d+))?"
+    r"(?:\s+v(?P<v>\d+))?"
+    r"|W\s+b(?P<wb>\d+)(?:\s+t(?P<wt>\d+))?(?:\s+c(?P<wc>\d+))?"
     r"|(?P<update>AR|OPT))\s*$"
 )
 
@@ -110,13 +119,16 @@ class Action:
     """One step of one stage: ``kind`` applied to unit (``b``, ``t``) on ``stage``; the
     update kinds (``AR``, ``OPT``) take no unit (``b = t = -1``). In an asynchronous
     schedule a forward or backward also names the weight version ``v`` it uses. A ``W``
-    with ``t = WHOLE_SEQUENCE`` covers every token slice of batch slice ``b``."""
+    with ``t = WHOLE_SEQUENCE`` covers every token slice of batch slice ``b``. With
+    virtual stages a unit's action also names the ``chunk`` of the stage (rank) it runs
+    on; the updates act on all of a rank's chunks and keep chunk 0."""
 
     kind: Kind
     stage: int
     b: int = NO_UNIT
     t: int = NO_UNIT
     v: int = NO_VERSION
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", parse_kind(self.kind))
@@ -132,6 +144,11 @@ class Action:
             raise ValueError(
                 f"action {self.kind} b{self.b} t{self.t} on stage {self.stage}: "
                 "a unit's batch-slice and token-slice indices must be non-negative"
+            )
+        if self.chunk < 0 or (self.chunk and self.kind in UPDATE):
+            raise ValueError(
+                f"action {self.kind} b{self.b} t{self.t} c{self.chunk}: chunks are numbered "
+                "from 0, and an update acts on all of its rank's chunks (leave chunk at 0)"
             )
         if self.v != NO_VERSION and (self.kind not in COMPUTE or self.v < 0):
             raise ValueError(
@@ -152,28 +169,31 @@ class Action:
         # The stage is the row the action sits in, so the compact form leaves it out.
         if self.kind in UPDATE:
             return str(self.kind)
+        chunk = f" c{self.chunk}" if self.chunk else ""
         if self.whole_sequence:
-            return f"W b{self.b}"
+            return f"W b{self.b}{chunk}"
         version = "" if self.v == NO_VERSION else f" v{self.v}"
-        return f"{self.kind} b{self.b} t{self.t}{version}"
+        return f"{self.kind} b{self.b} t{self.t}{chunk}{version}"
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Action:
-        """Inverse of ``str``: ``Action.parse("F b0 t2", stage=1)``, ``Action.parse("AR", 0)``."""
+        """Inverse of ``str``: ``Action.parse("F b0 t2", stage=1)``, ``Action.parse("B b1 t0
+        c1", 0)``, ``Action.parse("AR", 0)``."""
         m = _ACTION_RE.match(text)
         if m is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected '<kind> b<batch slice> t<token slice>' "
-                f"with kind one of F, B, W, SA, RA, SG, RG (e.g. 'F b0 t2'), 'W b<batch "
-                "slice>' (every token slice), or AR or OPT"
+                f"with kind one of F, B, W, SA, RA, SG, RG, then optionally c<chunk> and "
+                "v<version> (e.g. 'F b0 t2', 'B b1 t0 c1'), 'W b<batch slice>' (every token "
+                "slice), or AR or OPT"
             )
         if m["update"]:
             return cls(Kind(m["update"]), stage)
         if m["wb"] is not None:
             t = WHOLE_SEQUENCE if m["wt"] is None else int(m["wt"])
-            return cls(Kind.W, stage, int(m["wb"]), t)
+            return cls(Kind.W, stage, int(m["wb"]), t, chunk=int(m["wc"] or 0))
         v = NO_VERSION if m["v"] is None else int(m["v"])
-        return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]), v)
+        return cls(Kind(m["kind"]), stage, int(m["b"]), int(m["t"]), v, int(m["c"] or 0))
 
 
 def covered_slices(plan: Plan, b: int, t: int) -> range:
@@ -185,18 +205,24 @@ def covered_slices(plan: Plan, b: int, t: int) -> range:
 @dataclass(frozen=True)
 class Schedule:
     """A named schedule: ``actions[k]`` is stage k's ordered list of actions, over
-    ``n_iterations`` iterations whose plans, one after another, make ``plan``."""
+    ``n_iterations`` iterations whose plans, one after another, make ``plan``.
+    ``placement`` is the stage (rank) of each part of the model
+    (:mod:`tplib.schedule.chunks`); left empty, one part per stage."""
 
     name: str
     n_stages: int
     plan: Plan
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     n_iterations: int = 1
+    placement: Placement = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
         if self.n_stages < 1:
             raise ValueError(f"n_stages={self.n_stages}: a schedule needs at least one stage")
+        placement = tuple(self.placement) or identity(self.n_stages)
+        check_placement(placement, self.n_stages)
+        object.__setattr__(self, "placement", placement)
         if len(self.actions) != self.n_stages:
             raise ValueError(
                 f"schedule {self.name!r} has n_stages={self.n_stages} but action lists "
@@ -208,12 +234,46 @@ class Schedule:
                     raise ValueError(
                         f"action {a} labelled stage {a.stage} sits in stage {k}'s list"
                     )
+                if a.chunk >= self.n_chunks:
+                    raise ValueError(
+                        f"action {a} on stage {k} names chunk {a.chunk}, but schedule "
+                        f"{self.name!r} gives each stage {self.n_chunks} (chunks 0.."
+                        f"{self.n_chunks - 1})"
+                    )
         n_b = self.plan.n_batch_slices
         if self.n_iterations < 1 or n_b % self.n_iterations:
             raise ValueError(
                 f"schedule {self.name!r}: n_iterations={self.n_iterations} must be a positive "
                 f"divisor of the plan's {n_b} batch slices (each iteration has the same number)"
             )
+
+    @property
+    def n_chunks(self) -> int:
+        """v: the chunks (virtual stages) each stage holds."""
+        return len(self.placement) // self.n_stages
+
+    @property
+    def n_parts(self) -> int:
+        """v * K: the parts the model is cut into."""
+        return len(self.placement)
+
+    def part(self, a: Action) -> int:
+        """The model part action ``a`` runs on: chunk ``a.chunk`` of its stage."""
+        if self.n_chunks == 1:
+            return a.stage
+        return part_of(self.placement, a.stage, a.chunk)
+
+    def where(self, part: int) -> tuple[int, int]:
+        """(stage, chunk) that holds model part ``part``."""
+        if self.n_chunks == 1:
+            return part, 0
+        return rank_chunk(self.placement, part)
+
+    def neighbour(self, a: Action, step: int) -> tuple[int, int] | None:
+        """(stage, chunk) of the part ``step`` (+1 or -1) from ``a``'s, None past the
+        model's ends."""
+        p = self.part(a) + step
+        return self.where(p) if 0 <= p < self.n_parts else None
 
     @property
     def batch_slices_per_iteration(self) -> int:
@@ -243,20 +303,24 @@ class Schedule:
         # Each stage's list in the compact form, as it is: the timed stage x step grid
         # needs the event engine, which builds on this module (tplib.schedule.drawing).
         rows = (f"stage {k} | {', '.join(map(str, acts))}" for k, acts in enumerate(self.actions))
-        return "\n".join((f"{self.name} on {self.n_stages} stages, plan {self.plan}", *rows))
+        chunks = "" if self.n_chunks == 1 else f" x {self.n_chunks} chunks {self.placement}"
+        head = f"{self.name} on {self.n_stages} stages{chunks}, plan {self.plan}"
+        return "\n".join((head, *rows))
 
     # ---- CSV -------------------------------------------------------------------------
 
     def to_csv(self, path_or_buffer: str | os.PathLike[str] | IO[str]) -> None:
-        """Write one row per action (stage, index, kind, b, t) after ``# key: value``
-        comment lines holding the name, stage count and plan (``pandas.read_csv(...,
-        comment="#")`` reads the rows)."""
+        """Write one row per action (stage, index, kind, b, t, v, and with virtual stages
+        chunk) after ``# key: value`` comment lines holding the name, stage count, plan and (with virtual
+        stages) placement (``pandas.read_csv(..., comment="#")`` reads the rows)."""
         meta = {
             "name": self.name,
             "n_stages": str(self.n_stages),
             "n_iterations": str(self.n_iterations),
             "plan": self.plan.to_paper(),
         }
+        if self.n_chunks > 1:
+            meta["placement"] = " ".join(map(str, self.placement))
         for key in ("latency", "t_max", "eps"):
             value = getattr(self.plan, key)
             if value is not None:
@@ -265,10 +329,11 @@ class Schedule:
             for key, value in meta.items():
                 f.write(f"# {key}: {value}\n")
             writer = csv.writer(f, lineterminator="\n")
-            writer.writerow(["stage", "index", "kind", "b", "t", "v"])
+            chunked = self.n_chunks > 1  # without chunks, the files of earlier versions
+            writer.writerow(["stage", "index", "kind", "b", "t", "v"] + ["chunk"] * chunked)
             for k, acts in enumerate(self.actions):
                 for i, a in enumerate(acts):
-                    writer.writerow([k, i, a.kind.value, a.b, a.t, a.v])
+                    writer.writerow([k, i, a.kind.value, a.b, a.t, a.v] + [a.chunk] * chunked)
 
     @classmethod
     def from_csv(cls, path_or_buffer: str | os.PathLike[str] | IO[str]) -> Schedule:
@@ -304,19 +369,22 @@ class Schedule:
                 int(r["b"]),
                 int(r["t"]),
                 int(r.get("v") or NO_VERSION),  # files written before versions lack it
+                int(r.get("chunk") or 0),  # and before virtual stages, chunks
             )
             for r in csv.DictReader(body)
         )
         actions: list[list[Action]] = [[] for _ in range(n_stages)]
-        for k, i, kind, b, t, v in rows:
+        for k, i, kind, b, t, v, c in rows:
             if not 0 <= k < n_stages or i != len(actions[k]):
                 raise ValueError(
                     f"schedule CSV row stage={k} index={i} is out of place: "
                     "indices must run 0, 1, ... on each stage"
                 )
-            actions[k].append(Action(parse_kind(kind), k, b, t, v))
+            actions[k].append(Action(parse_kind(kind), k, b, t, v, c))
         n_iterations = int(meta.get("n_iterations", "1"))
-        return cls(meta["name"], n_stages, plan, tuple(tuple(a) for a in actions), n_iterations)
+        placement = tuple(int(x) for x in meta.get("placement", "").split())
+        acts = tuple(tuple(a) for a in actions)
+        return cls(meta["name"], n_stages, plan, acts, n_iterations, placement)
 
 
 @contextmanager

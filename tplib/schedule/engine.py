@@ -3,8 +3,10 @@
 Communication semantics, which the validator checks and the runtime implements: a send
 never blocks its sender (its duration is the message's time on the link); a receive
 blocks until the matching send's message has arrived; each directed link carries one
-kind of message (k -> k+1 activations, k+1 -> k gradients) and matches them in FIFO
-order. Every other action runs on its stage's own clock, one after another.
+kind of message (activations, or gradients, from one stage to another: k -> k+1 and
+k+1 -> k without virtual stages; with them, between the stages of neighbouring parts,
+the wrap from stage K-1 to stage 0 included) and matches them in FIFO order. Every
+other action runs on its stage's own clock, one after another.
 
 :func:`run` is the engine itself. It never raises: actions stuck behind a receive whose
 send never comes are reported back, and :func:`tplib.schedule.replay` turns that into a
@@ -34,13 +36,17 @@ class TimedAction:
     end: float
 
 
-def link_of(a: Action) -> Link:
-    """The directed link a send or receive uses."""
-    if a.kind in (Kind.SA, Kind.RA):
-        src = a.stage if a.kind is Kind.SA else a.stage - 1
-        return ("A", src, src + 1)
-    src = a.stage if a.kind is Kind.SG else a.stage + 1
-    return ("G", src, src - 1)
+def link_of(schedule: Schedule, a: Action) -> Link:
+    """The directed link send or receive ``a`` of ``schedule`` uses: to or from the stage
+    that holds the neighbouring part of the model; stage -1 past the model's ends (an
+    invalid schedule's: nothing arrives there, nothing comes from there)."""
+    activation = a.kind in (Kind.SA, Kind.RA)
+    toward = 1 if a.kind in (Kind.SA, Kind.RG) else -1  # the peer's part, from a's
+    other = schedule.neighbour(a, toward)
+    peer = -1 if other is None else other[0]
+    sending = a.kind in SENDS
+    src, dst = (a.stage, peer) if sending else (peer, a.stage)
+    return ("A" if activation else "G", src, dst)
 
 
 def run(
@@ -64,7 +70,7 @@ def run(
                 a = acts[done[k]]
                 start = clock[k]
                 if a.kind in RECEIVES:
-                    link = link_of(a)
+                    link = link_of(schedule, a)
                     i = received[link]
                     if i >= len(arrivals[link]):
                         break  # blocked until the matching send is issued
@@ -73,7 +79,8 @@ def run(
                     clock[k] = end
                 elif a.kind in SENDS:
                     end = start + duration(a)
-                    arrivals[link_of(a)].append(end)  # sends are asynchronous: clock stays
+                    # Sends are asynchronous: the stage's clock stays.
+                    arrivals[link_of(schedule, a)].append(end)
                 else:
                     end = start + duration(a)
                     clock[k] = end

@@ -12,7 +12,7 @@ streams are ``SA b1`` and ``SG b0``, and neither can match. The validator's engi
 
 - ``"naive"``: each message alone, at its place in the stage's list (what a runtime that
   walks the list does);
-- ``"ordered"``: what tplib's runtime does. For each pair of neighbouring stages, the
+- ``"ordered"``: what tplib's runtime does. For each pair of stages that talk, the
   messages between them are put in one order both stages follow: a linear extension of
   what each stage's list forces (a stage posts its sends in its list's order, each
   after every receive it waits on before it), ties broken by when the buffered replay
@@ -60,10 +60,16 @@ PostingPlan = tuple[tuple["PostGroup", ...], ...]  # per stage, what it posts an
 Message = tuple[Link, int]  # a link and the message's index on it (FIFO)
 
 
-def _peer_of(a: Action) -> int:
+def _peer_of(schedule: Schedule, a: Action) -> int:
     """The stage at the other end of a send's or receive's link."""
-    _, src, dst = link_of(a)
+    _, src, dst = link_of(schedule, a)
     return dst if a.kind in SENDS else src
+
+
+def _pairs(messages: list[list[tuple[int, Message]]]) -> list[tuple[int, int]]:
+    """The pairs of stages (lower first) that exchange messages: neighbours, and with
+    virtual stages the wrap from the last stage to the first."""
+    return sorted({(min(s, d), max(s, d)) for mine in messages for _, ((_, s, d), _) in mine})
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def _messages(schedule: Schedule) -> list[list[tuple[int, Message]]]:
         mine = []
         for i, a in enumerate(acts):
             if a.kind in COMMUNICATION:
-                link = link_of(a)
+                link = link_of(schedule, a)
                 side = "send" if a.kind in SENDS else "receive"
                 mine.append((i, (link, count[side, link])))
                 count[side, link] += 1
@@ -94,30 +100,33 @@ def _messages(schedule: Schedule) -> list[list[tuple[int, Message]]]:
 
 def _consensus(
     schedule: Schedule,
-    k: int,
+    pair: tuple[int, int],
     messages: list[list[tuple[int, Message]]],
     issued: dict[Message, float],
 ) -> list[Message]:
-    """The order both stages k and k+1 post their messages in (see the module)."""
+    """The order both stages of ``pair`` post their messages in (see the module)."""
     before: dict[Message, set[Message]] = defaultdict(set)
     nodes: set[Message] = set()
-    for side, peer in ((k, k + 1), (k + 1, k)):
+    k, other = pair
+    for side, peer in ((k, other), (other, k)):
         acts = schedule.actions[side]
-        # The side's last send and last receive: a send comes after both (after all the
-        # stage posted or waited on before it, by transitivity), a receive after the last
-        # receive (FIFO).
-        last: dict[str, Message] = {}
+        # A send comes after the side's previous send and every receive it waits on
+        # before it. Receives among themselves are free: the side posts them ahead of
+        # their places, in the agreed order, so with virtual stages a peer may send an
+        # activation and a gradient in the other order than this side waits for them.
+        last_send: Message | None = None
+        waited: list[Message] = []
         for i, m in messages[side]:
-            if _peer_of(acts[i]) != peer:
+            if _peer_of(schedule, acts[i]) != peer:
                 continue
             nodes.add(m)
             if acts[i].kind in SENDS:
-                before[m].update(last.values())
-                last["send"] = m
+                before[m].update(waited)
+                if last_send is not None:
+                    before[m].add(last_send)
+                last_send, waited = m, []
             else:
-                if "receive" in last:
-                    before[m].add(last["receive"])
-                last["receive"] = m
+                waited.append(m)
     waiting = {m: len(before[m]) for m in nodes}
     after: dict[Message, list[Message]] = defaultdict(list)
     for m, deps in before.items():
@@ -138,7 +147,7 @@ def _consensus(
         raise schedule_error(
             schedule,
             [],
-            f"stages {k} and {k + 1} wait on each other's messages before sending their own "
+            f"stages {k} and {other} wait on each other's messages before sending their own "
             f"({len(stuck)} messages, e.g. {stuck[0]}): no order of posting can run them",
         )
     return order
@@ -152,6 +161,7 @@ def posting_plan(schedule: Schedule, posting: Posting = "ordered") -> PostingPla
     acts = schedule.actions
     messages = _messages(schedule)
     at: list[dict[int, int]] = [{} for _ in acts]  # stage -> action index -> post index
+    rank: list[dict[int, int]] = [{} for _ in acts]  # stage -> action index -> agreed rank
     if posting == "naive":
         for k, mine in enumerate(messages):
             at[k] = {i: i for i, _ in mine}
@@ -162,29 +172,30 @@ def posting_plan(schedule: Schedule, posting: Posting = "ordered") -> PostingPla
             for i, m in mine:
                 if acts[k][i].kind in SENDS:
                     issued[m] = timed[k][i].start if i < done[k] else math.inf
-        for k in range(schedule.n_stages - 1):
-            order = _consensus(schedule, k, messages, issued)
-            for side in (k, k + 1):
+        for pair in _pairs(messages):
+            order = _consensus(schedule, pair, messages, issued)
+            for side in pair:
                 index = {m: i for i, m in messages[side]}
-                held: list[int] = []  # receives waiting for the stage's next send
-                for m in order:
+                # Backward through the agreed order: a send is posted at its place, a
+                # receive at its place or with the next message, whichever comes first,
+                # so the side posts in the agreed order.
+                nxt = len(acts[side])
+                for n, m in enumerate(reversed(order)):
                     i = index[m]
-                    if acts[side][i].kind in SENDS:
-                        for r in held:
-                            at[side][r] = min(r, i)
-                        held = []
-                        at[side][i] = i
-                    else:
-                        held.append(i)
-                for r in held:
-                    at[side][r] = r
+                    at[side][i] = i if acts[side][i].kind in SENDS else min(i, nxt)
+                    rank[side][i] = len(order) - n
+                    nxt = at[side][i]
     merge = posting == "ordered"
-    return tuple(_groups(acts[k], at[k], merge) for k in range(schedule.n_stages))
+    return tuple(_groups(schedule, k, at[k], rank[k], merge) for k in range(schedule.n_stages))
 
 
-def _groups(acts: tuple[Action, ...], at: dict[int, int], merge: bool) -> tuple[PostGroup, ...]:
+def _groups(
+    schedule: Schedule, k: int, at: dict[int, int], rank: dict[int, int], merge: bool
+) -> tuple[PostGroup, ...]:
     """One group per peer and posting place; with ``merge``, per run of places with only
-    messages between them."""
+    messages between them. A group's messages go in their agreed ``rank`` (list order
+    without one)."""
+    acts = schedule.actions[k]
     start: dict[int, int] = {}  # posting place -> the place its group is posted at
     previous = -1
     for place in sorted(set(at.values())):
@@ -195,9 +206,11 @@ def _groups(acts: tuple[Action, ...], at: dict[int, int], merge: bool) -> tuple[
         previous = place
     members: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, place in at.items():
-        members[start[place], _peer_of(acts[i])].append(i)
+        members[start[place], _peer_of(schedule, acts[i])].append(i)
     return tuple(
-        PostGroup(place, peer, tuple(acts[i] for i in sorted(indices)))
+        PostGroup(
+            place, peer, tuple(acts[i] for i in sorted(indices, key=lambda i: (rank.get(i, 0), i)))
+        )
         for (place, peer), indices in sorted(members.items())
     )
 
@@ -227,9 +240,9 @@ class _Streams:
     def post(self, stream: Stream, messages: frozenset[Message], now: float) -> None:
         self.queues[stream].append(_Posted(messages, now))
 
-    def advance(self, k: int) -> bool:
-        """Match the heads of stages k and k+1's streams, and retire complete groups."""
-        mine, theirs = (k, k + 1), (k + 1, k)
+    def advance(self, pair: tuple[int, int]) -> bool:
+        """Match the heads of the two stages' streams, and retire complete groups."""
+        mine, theirs = pair, (pair[1], pair[0])
         progress = False
         while self.queues[mine] and self.queues[theirs]:
             a, b = self.queues[mine][0], self.queues[theirs][0]
@@ -257,14 +270,16 @@ def run_nccl(
     rule's name, or a plan :func:`posting_plan` made): the timed actions per stage, each
     stage's count of actions run, and why stages are stuck ("" when none is)."""
     acts, n = schedule.actions, schedule.n_stages
-    key = [dict(mine) for mine in _messages(schedule)]  # stage -> action index -> message
+    messages = _messages(schedule)
+    pairs = _pairs(messages)
+    key = [dict(mine) for mine in messages]  # stage -> action index -> message
     places: list[dict[int, list[tuple[int, frozenset[Message]]]]] = [{} for _ in range(n)]
     plan = posting_plan(schedule, posting) if isinstance(posting, str) else posting
     for k, groups in enumerate(plan):
         index = {a: i for i, a in enumerate(acts[k])}
         for g in groups:
-            messages = frozenset(key[k][index[a]] for a in g.actions)
-            places[k].setdefault(g.at, []).append((g.peer, messages))
+            group = frozenset(key[k][index[a]] for a in g.actions)
+            places[k].setdefault(g.at, []).append((g.peer, group))
     transfer = {
         key[k][i]: duration(a) for k in range(n) for i, a in enumerate(acts[k]) if a.kind in SENDS
     }
@@ -280,8 +295,8 @@ def run_nccl(
             while pc[k] < len(acts[k]):
                 i, a = pc[k], acts[k][pc[k]]
                 if posted[k] < i:
-                    for peer, messages in places[k].get(i, ()):
-                        streams.post((k, peer), messages, clock[k])
+                    for peer, group in places[k].get(i, ()):
+                        streams.post((k, peer), group, clock[k])
                     posted[k] = i
                     progress = True
                 start = clock[k]
@@ -303,8 +318,8 @@ def run_nccl(
                 timed[k].append(TimedAction(k, a, start, end))
                 pc[k] += 1
                 progress = True
-        for k in range(n - 1):
-            progress |= streams.advance(k)
+        for pair in pairs:
+            progress |= streams.advance(pair)
     # A send ends when its message does, known only now.
     for k in range(n):
         timed[k] = [

@@ -44,9 +44,16 @@ def one_f_one_b_order(k: int, n_stages: int, plan: Plan) -> Order:
 
 def add_communication(schedule: Schedule) -> Schedule:
     """Insert sends and receives around a compute-only schedule's actions: RA before
-    each F on stages k > 0, SA after each F on stages k < K-1, RG before each B on
-    stages k < K-1, SG after each B on stages k > 0."""
-    last = schedule.n_stages - 1
+    each F whose input comes from another stage, SA after each F whose output goes to
+    one, RG before each B whose output gradient comes from another stage, SG after each
+    B whose input gradient goes to one. Without virtual stages: RA and SG on stages
+    k > 0, SA and RG on stages k < K-1; with them, the neighbouring part's stage
+    decides, and two chunks of one stage talk without a message."""
+
+    def remote(a: Action, step: int) -> bool:
+        other = schedule.neighbour(a, step)
+        return other is not None and other[0] != a.stage
+
     stages = []
     for k, acts in enumerate(schedule.actions):
         out: list[Action] = []
@@ -62,13 +69,11 @@ def add_communication(schedule: Schedule) -> Schedule:
                 )
             forward = a.kind is Kind.F
             before, after = (Kind.RA, Kind.SA) if forward else (Kind.RG, Kind.SG)
-            has_before = k > 0 if forward else k < last
-            has_after = k < last if forward else k > 0
-            if has_before:
-                out.append(Action(before, k, a.b, a.t))
+            if remote(a, -1 if forward else 1):
+                out.append(Action(before, k, a.b, a.t, chunk=a.chunk))
             out.append(a)
-            if has_after:
-                out.append(Action(after, k, a.b, a.t))
+            if remote(a, 1 if forward else -1):
+                out.append(Action(after, k, a.b, a.t, chunk=a.chunk))
         stages.append(tuple(out))
     return replace(schedule, actions=tuple(stages))
 

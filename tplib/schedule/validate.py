@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
-from tplib.plan import Plan, Unit
+from tplib.plan import Unit
 from tplib.schedule.actions import (
     COMMUNICATION,
     COMPUTE,
@@ -60,29 +60,39 @@ def _deadlock_reason(schedule: Schedule, done: list[int]) -> str:
     for k, acts in enumerate(schedule.actions):
         if done[k] < len(acts):
             a = acts[done[k]]
-            waits.append(f"stage {k} waits at {a} for stage {link_of(a)[1]}")
+            waits.append(f"stage {k} waits at {a} for stage {link_of(schedule, a)[1]}")
     return (
         "deadlock: " + "; ".join(waits) + ". Each of these receives' matching send comes "
         "after a blocked receive (or never comes); reorder so sends precede what waits on them"
     )
 
 
-def _unit_kinds(k: int, n_stages: int) -> tuple[Kind, ...]:
-    """The kinds stage k runs once per unit."""
+def _unit_kinds(schedule: Schedule, k: int, chunk: int) -> tuple[Kind, ...]:
+    """The kinds chunk ``chunk`` of stage k runs once per unit: the messages to and from
+    the stages that hold the neighbouring parts (none between chunks of one stage)."""
     kinds = [Kind.F, Kind.B]
-    if k > 0:
+    probe = Action(Kind.F, k, 0, 0, chunk=chunk)
+    before, after = schedule.neighbour(probe, -1), schedule.neighbour(probe, 1)
+    if before is not None and before[0] != k:
         kinds += [Kind.RA, Kind.SG]
-    if k < n_stages - 1:
+    if after is not None and after[0] != k:
         kinds += [Kind.SA, Kind.RG]
     return tuple(kinds)
 
 
 def _check_counts(schedule: Schedule) -> None:
-    plan, n = schedule.plan, schedule.n_stages
+    plan = schedule.plan
     units = set(plan.units())
+    if schedule.asynchronous and schedule.n_chunks > 1:
+        raise schedule_error(
+            schedule,
+            [],
+            f"schedule {schedule.name!r} names weight versions and holds "
+            f"{schedule.n_chunks} chunks per stage: an asynchronous schedule keeps one",
+        )
     for k, acts in enumerate(schedule.actions):
-        kinds = _unit_kinds(k, n)
-        seen: dict[tuple[Kind, Unit], int] = {}
+        chunk_kinds = [_unit_kinds(schedule, k, c) for c in range(schedule.n_chunks)]
+        seen: dict[tuple[Kind, Unit, int], int] = {}
         for i, a in enumerate(acts):
             if a.kind is Kind.W:
                 continue  # _check_weight_grads
@@ -92,27 +102,33 @@ def _check_counts(schedule: Schedule) -> None:
                     [(k, i)],
                     f"{a} on stage {k} names a unit that is not in the plan {plan}",
                 )
-            if a.kind not in UPDATE and a.kind not in kinds:
+            if a.kind not in UPDATE and a.kind not in chunk_kinds[a.chunk]:
                 side = "previous" if a.kind in (Kind.RA, Kind.SG) else "next"
+                where = f"stage {k}" + (f" chunk {a.chunk}" if schedule.n_chunks > 1 else "")
                 raise schedule_error(
                     schedule,
                     [(k, i)],
-                    f"{a} on stage {k} talks to a {side} stage, but stage {k} of {n} has none",
+                    f"{a} on stage {k} talks to the stage of the {side} part of the model, "
+                    f"but {where} (part {schedule.part(a)} of {schedule.n_parts}) has none "
+                    "there, or has it on its own stage",
                 )
             if a.kind in UPDATE and schedule.asynchronous:
                 continue  # one per iteration: _check_updates counts them
-            if (a.kind, a.unit) in seen:
+            key = (a.kind, a.unit, a.chunk)
+            if key in seen:
                 raise schedule_error(
                     schedule,
-                    [(k, seen[(a.kind, a.unit)]), (k, i)],
+                    [(k, seen[key]), (k, i)],
                     f"{a} appears twice on stage {k}: each action runs exactly once",
                 )
-            seen[(a.kind, a.unit)] = i
-        for u in plan.units():
-            for kind in kinds:
-                if (kind, u) not in seen:
-                    related = [i for i, a in enumerate(acts) if a.unit == u]
-                    want = Action(kind, k, u.b, u.t)
+            seen[key] = i
+        for c, kinds in enumerate(chunk_kinds):
+            for u in plan.units():
+                for kind in kinds:
+                    if (kind, u, c) in seen:
+                        continue
+                    related = [i for i, a in enumerate(acts) if a.unit == u and a.chunk == c]
+                    want = Action(kind, k, u.b, u.t, chunk=c)
                     # Draw the mark on the compute action that lacks its send/receive.
                     serves = SERVES.get(kind, kind)
                     anchor = [i for i in related if acts[i].kind == serves] or related
@@ -120,10 +136,12 @@ def _check_counts(schedule: Schedule) -> None:
                         schedule,
                         [(k, i) for i in anchor[:1]],
                         f"stage {k} lacks {want}: every stage needs "
-                        f"{', '.join(kinds)} for every unit of the plan",
+                        f"{', '.join(kinds)} for every unit of the plan"
+                        + (", on each of its chunks" if schedule.n_chunks > 1 else ""),
                     )
         if schedule.split_backward:
-            _check_weight_grads(schedule, k)
+            for c in range(schedule.n_chunks):
+                _check_weight_grads(schedule, k, c)
         if schedule.asynchronous:
             _check_updates(schedule, k)
             continue
@@ -141,13 +159,13 @@ def _check_counts(schedule: Schedule) -> None:
             )
 
 
-def _check_weight_grads(schedule: Schedule, k: int) -> None:
-    """Stage k of a split-backward schedule: each unit's weight gradients computed by
-    exactly one ``W``, of the unit or of its whole sequence."""
+def _check_weight_grads(schedule: Schedule, k: int, chunk: int) -> None:
+    """Chunk ``chunk`` of stage k of a split-backward schedule: each unit's weight
+    gradients computed by exactly one ``W``, of the unit or of its whole sequence."""
     plan, acts = schedule.plan, schedule.actions[k]
     covered: dict[Unit, int] = {}  # unit -> index of the W that computes it
     for i, a in enumerate(acts):
-        if a.kind is not Kind.W:
+        if a.kind is not Kind.W or a.chunk != chunk:
             continue
         if not 0 <= a.b < plan.n_batch_slices or (
             not a.whole_sequence and not 0 <= a.t < plan.n_token_slices(a.b)
@@ -167,7 +185,11 @@ def _check_weight_grads(schedule: Schedule, k: int) -> None:
             covered[u] = i
     for u in plan.units():
         if u not in covered:
-            anchor = [i for i, a in enumerate(acts) if a.kind is Kind.B and a.unit == u]
+            anchor = [
+                i
+                for i, a in enumerate(acts)
+                if a.kind is Kind.B and a.unit == u and a.chunk == chunk
+            ]
             raise schedule_error(
                 schedule,
                 [(k, i) for i in anchor[:1]],
@@ -255,42 +277,53 @@ _KV_BACKWARD = (
 )
 
 
-def _needs(a: Action, plan: Plan, n_stages: int) -> Iterator[tuple[Action, str]]:
+def _needs(a: Action, schedule: Schedule) -> Iterator[tuple[Action, str]]:
     """The actions that must come before ``a`` on its own stage, and why."""
-    k, b, t = a.stage, a.b, a.t
+    k, b, t, c = a.stage, a.b, a.t, a.chunk
+    before, after = schedule.neighbour(a, -1), schedule.neighbour(a, 1)
     if a.kind is Kind.F:
         if t > 0:
-            yield Action(Kind.F, k, b, t - 1), _KV_FORWARD
-        if k > 0:
-            yield Action(Kind.RA, k, b, t), "a forward needs its received activation"
+            yield Action(Kind.F, k, b, t - 1, chunk=c), _KV_FORWARD
+        if before is not None and before[0] != k:
+            yield Action(Kind.RA, k, b, t, chunk=c), "a forward needs its received activation"
+        elif before is not None:
+            yield (
+                Action(Kind.F, k, b, t, chunk=before[1]),
+                "a forward needs the activation of the part before it, held on this stage",
+            )
     elif a.kind is Kind.B:
-        yield Action(Kind.F, k, b, t), "a unit's backward needs its forward"
-        if t + 1 < plan.n_token_slices(b):
-            yield Action(Kind.B, k, b, t + 1), _KV_BACKWARD
-        if k < n_stages - 1:
-            yield Action(Kind.RG, k, b, t), "a backward needs its received gradient"
+        yield Action(Kind.F, k, b, t, chunk=c), "a unit's backward needs its forward"
+        if t + 1 < schedule.plan.n_token_slices(b):
+            yield Action(Kind.B, k, b, t + 1, chunk=c), _KV_BACKWARD
+        if after is not None and after[0] != k:
+            yield Action(Kind.RG, k, b, t, chunk=c), "a backward needs its received gradient"
+        elif after is not None:
+            yield (
+                Action(Kind.B, k, b, t, chunk=after[1]),
+                "a backward needs the gradient of the part after it, held on this stage",
+            )
     elif a.kind is Kind.W:
         # A whole sequence's backward ends with its first token slice.
         yield (
-            Action(Kind.B, k, b, 0 if a.whole_sequence else t),
+            Action(Kind.B, k, b, 0 if a.whole_sequence else t, chunk=c),
             ("weight gradients come from the backward they were deferred by"),
         )
     elif a.kind is Kind.SA:
-        yield Action(Kind.F, k, b, t), "an activation is sent after its forward"
+        yield Action(Kind.F, k, b, t, chunk=c), "an activation is sent after its forward"
     elif a.kind is Kind.SG:
-        yield Action(Kind.B, k, b, t), "a gradient is sent after its backward"
+        yield Action(Kind.B, k, b, t, chunk=c), "a gradient is sent after its backward"
 
 
 def _check_order(schedule: Schedule) -> None:
     for k, acts in enumerate(schedule.actions):
-        seen: set[tuple[Kind, int, int]] = set()  # what ran, whatever its version
+        seen: set[tuple[Kind, int, int, int]] = set()  # what ran, whatever its version
         for i, a in enumerate(acts):
-            for need, why in _needs(a, schedule.plan, schedule.n_stages):
-                if (need.kind, need.b, need.t) not in seen:
+            for need, why in _needs(a, schedule):
+                if (need.kind, need.b, need.t, need.chunk) not in seen:
                     raise schedule_error(
                         schedule, [(k, i)], f"{a} on stage {k} runs before {need}: {why}"
                     )
-            seen.add((a.kind, a.b, a.t))
+            seen.add((a.kind, a.b, a.t, a.chunk))
 
 
 def _check_fifo(schedule: Schedule) -> None:
@@ -299,19 +332,20 @@ def _check_fifo(schedule: Schedule) -> None:
     for k, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             if a.kind in COMMUNICATION:
-                (sends if a.kind in SENDS else receives)[link_of(a)].append((k, i))
+                (sends if a.kind in SENDS else receives)[link_of(schedule, a)].append((k, i))
     for link in sorted(set(sends) | set(receives)):
         msg, src, dst = link
+        step = 1 if msg == "A" else -1  # the receiving part, from the sending one
         for n, (s, r) in enumerate(zip(sends[link], receives[link], strict=False)):
             sent, got = schedule.actions[s[0]][s[1]], schedule.actions[r[0]][r[1]]
-            if sent.unit != got.unit:
+            if sent.unit != got.unit or schedule.part(got) != schedule.part(sent) + step:
                 what = "activations" if msg == "A" else "gradients"
                 raise schedule_error(
                     schedule,
                     [r, s],
                     f"receive #{n} on link {src}->{dst} is {got} on stage {dst} but send #{n} "
                     f"is {sent} on stage {src}: {what} on a link match in FIFO order, so both "
-                    "stages must name units in the same order",
+                    "stages must name units (and chunks) in the same order",
                 )
 
 

@@ -1,0 +1,328 @@
+"""Generators with virtual pipeline stages: each rank runs ``v`` chunks of the model.
+
+A generator here places the forwards, backwards and weight gradients of every chunk of
+every stage (rank), for a placement of the model's ``v * K`` parts on the K stages
+(:mod:`tplib.schedule.chunks`); the passes of :mod:`tplib.schedule.passes` then add the
+messages (none between two chunks of one stage) and the update. The unit is a (batch
+slice, token slice) as everywhere in tplib, so each order runs TeraPipe's token slices
+as well as whole sequences: the registry names the token-sliced forms
+(``terapipe-interleaved``, ``terapipe-bfs``, ``terapipe-zbv``) apart from the
+microbatch forms (``interleaved-1f1b``, ``looped-bfs``, ``zbv``), which refuse token
+slices as ``gpipe`` does.
+
+A sequence's token slices keep their order on every chunk: forwards first to last,
+backwards last to first (the K/V context), so a generator's backward order walks the
+batch slices in turn, each one's token slices in reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tplib.plan import Plan, Unit
+from tplib.schedule.actions import WHOLE_SEQUENCE, Action, Kind, Schedule
+from tplib.schedule.chunks import Placement, interleaved, v_shape
+from tplib.schedule.drawing import unit_cost
+from tplib.schedule.engine import run
+from tplib.schedule.passes import add_communication, add_update
+
+__all__ = [
+    "CHUNKED",
+    "ChunkOrder",
+    "check_whole_sequences",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zbv",
+]
+
+ChunkOrder = list[tuple[Kind, int, Unit]]  # one stage's (kind, chunk, unit) in run order
+
+
+def check_whole_sequences(name: str, plan: Plan, token_sliced: str) -> None:
+    """Refuse a plan with token slices for a microbatch schedule, naming its token-sliced
+    form."""
+    for b in range(plan.n_batch_slices):
+        if plan.n_token_slices(b) != 1:
+            raise ValueError(
+                f"{name} needs one token slice per batch slice (microbatches), but batch slice "
+                f"{b} of plan {plan} has {plan.n_token_slices(b)}: use {token_sliced!r} for "
+                "token-sliced plans"
+            )
+
+
+def _check(n_stages: int, n_chunks: int) -> None:
+    if n_stages < 1:
+        raise ValueError(f"n_stages={n_stages}: a pipeline needs at least one stage")
+    if n_chunks < 1:
+        raise ValueError(f"n_chunks={n_chunks}: each stage holds at least one chunk")
+
+
+def _complete(
+    name: str, n_stages: int, plan: Plan, placement: Placement, orders: list[ChunkOrder]
+) -> Schedule:
+    acts = tuple(
+        tuple(Action(kind, k, u.b, u.t, chunk=c) for kind, c, u in order)
+        for k, order in enumerate(orders)
+    )
+    return add_update(add_communication(Schedule(name, n_stages, plan, acts, 1, placement)))
+
+
+def _backward_units(plan: Plan) -> list[Unit]:
+    """Batch slice by batch slice, each one's token slices last to first."""
+    return [
+        Unit(b, t)
+        for b in range(plan.n_batch_slices)
+        for t in reversed(range(plan.n_token_slices(b)))
+    ]
+
+
+def _rounds(units: list[Unit], n_stages: int, chunks: list[int]) -> list[tuple[int, Unit]]:
+    """Megatron's virtual order: the units in groups of K, each group through every chunk
+    in ``chunks``' order before the next group starts."""
+    out = []
+    for g in range(0, len(units), n_stages):
+        out += [(c, u) for c in chunks for u in units[g : g + n_stages]]
+    return out
+
+
+def interleaved_1f1b(
+    n_stages: int, plan: Plan, n_chunks: int, name: str = "interleaved-1f1b"
+) -> Schedule:
+    """Megatron's interleaved 1F1B over the units of ``plan`` with ``n_chunks`` (v) chunks
+    per stage, placed as :func:`~tplib.schedule.chunks.interleaved` (chunk c of stage k is
+    part c*K + k).
+
+    The forward order takes the units in groups of K, each group through chunk 0, then
+    chunk 1, ..., then the next group; the backward order the same groups (in backward
+    unit order) through the chunks in reverse. Stage k warms up with (K-k-1)*2 + (v-1)*K
+    forwards (K-k-1 when v = 1, which is ``1f1b``), plus M-1 for the first batch slice's
+    M token slices, then alternates one forward and one backward, then drains the
+    backwards; a backward whose forward has not run on the stage yet is preceded by the
+    missing forwards. Megatron's rule: at least K units (microbatches) per iteration.
+    Clock cycles on K=2 stages, v=2, for the plan ``[(1, [8])] * 4``, one step per
+    action, free communication::
+
+        step    |     0           1           2           3           4           5           6           7           8           9           10          11          12          13          14          15          16          17
+        --------+------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0     F b1 t0     F b0 t0 c1  F b1 t0 c1  F b2 t0     B b0 t0 c1  F b3 t0     B b1 t0 c1  F b2 t0 c1  B b0 t0     F b3 t0 c1  B b1 t0                 B b2 t0 c1              B b3 t0 c1  B b2 t0     B b3 t0
+        stage 1 |             F b0 t0     F b1 t0     F b0 t0 c1  B b0 t0 c1  F b1 t0 c1  B b1 t0 c1  F b2 t0     B b0 t0     F b3 t0     B b1 t0     F b2 t0 c1  B b2 t0 c1  F b3 t0 c1  B b3 t0 c1  B b2 t0     B b3 t0
+    """
+    _check(n_stages, n_chunks)
+    n_units = plan.n_units
+    if n_units < n_stages:
+        raise ValueError(
+            f"{name} on K={n_stages} stages needs at least {n_stages} units per iteration "
+            f"(Megatron's rule: the microbatches of a group go through every chunk in turn, "
+            f"and a group is K of them), but plan {plan} has {n_units}"
+        )
+    placement = interleaved(n_stages, n_chunks)
+    depth = [n_stages - k - 1 for k in range(n_stages)]
+    extra = plan.n_token_slices(0) - 1  # the first sequence's token slices, as 1f1b
+    warmups = [2 * d + (n_chunks - 1) * n_stages if n_chunks > 1 else d for d in depth]
+    warmups = [w + extra for w in warmups]
+    while True:
+        orders = [
+            _interleaved_order(k, n_stages, n_chunks, plan, warmups[k]) for k in range(n_stages)
+        ]
+        schedule = _complete(name, n_stages, plan, placement, orders)
+        # A last group of fewer than K units can leave the order stuck: one more
+        # warm-up forward on each stuck stage until none is (never with full groups).
+        _, done = run(schedule, unit_cost)
+        stuck = [k for k in range(n_stages) if done[k] < len(schedule.actions[k])]
+        if not stuck or all(warmups[k] >= plan.n_units * n_chunks for k in stuck):
+            return schedule
+        for k in stuck:
+            warmups[k] += 1
+
+
+def _interleaved_order(k: int, n_stages: int, n_chunks: int, plan: Plan, warmup: int) -> ChunkOrder:
+    """Stage k's order under :func:`interleaved_1f1b`, warming up with ``warmup`` forwards."""
+    fwd = _rounds(list(plan.units()), n_stages, list(range(n_chunks)))
+    bwd = _rounds(_backward_units(plan), n_stages, list(reversed(range(n_chunks))))
+    index = {cu: i for i, cu in enumerate(fwd)}
+    n_fwd = min(warmup, len(fwd))
+    order: ChunkOrder = [(Kind.F, c, u) for c, u in fwd[:n_fwd]]
+    for c, u in bwd:
+        # One forward per backward; more if the backward's own forward is still ahead.
+        target = max(min(n_fwd + 1, len(fwd)), index[c, u] + 1)
+        order += [(Kind.F, fc, fu) for fc, fu in fwd[n_fwd:target]]
+        n_fwd = target
+        order.append((Kind.B, c, u))
+    return order
+
+
+def looped_bfs(n_stages: int, plan: Plan, n_chunks: int, name: str = "looped-bfs") -> Schedule:
+    """Breadth-first over the chunks (torch's ``LoopedBFS``), placed as
+    :func:`~tplib.schedule.chunks.interleaved`: every stage runs all units' forwards on
+    chunk 0, then on chunk 1, ..., then all backwards on chunk v-1, then v-2, ..., each
+    chunk's backwards in the reverse of its forward order (each sequence's token slices
+    last to first). Fill-drain per chunk: as much memory as GPipe, a bubble cut by v.
+    Clock cycles on K=2 stages, v=2, for the plan ``[(1, [8])] * 2``, one step per
+    action, free communication::
+
+        step    |     0           1           2           3           4           5           6           7           8           9
+        --------+------------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0     F b1 t0     F b0 t0 c1  F b1 t0 c1                          B b1 t0 c1  B b0 t0 c1  B b1 t0     B b0 t0
+        stage 1 |             F b0 t0     F b1 t0     F b0 t0 c1  F b1 t0 c1  B b1 t0 c1  B b0 t0 c1  B b1 t0     B b0 t0
+    """
+    _check(n_stages, n_chunks)
+    fwd = list(plan.units())
+    order: ChunkOrder = [(Kind.F, c, u) for c in range(n_chunks) for u in fwd]
+    order += [(Kind.B, c, u) for c in reversed(range(n_chunks)) for u in reversed(fwd)]
+    return _complete(name, n_stages, plan, interleaved(n_stages, n_chunks), [order] * n_stages)
+
+
+def zbv(n_stages: int, plan: Plan, n_chunks: int = 2, name: str = "zbv") -> Schedule:
+    """V-shape zero bubble (ZB-V): two chunks per stage in a V
+    (:func:`~tplib.schedule.chunks.v_shape`: parts k and 2K-1-k on stage k), backwards
+    split into ``B`` (input gradients) and ``W`` (each sequence's weight gradients at
+    once, per chunk).
+
+    The order is found by list scheduling on a clock where ``F`` and ``B`` take one step
+    and a ``W`` one step per token slice of its sequence: each stage, whenever it is
+    free, runs a ready ``B`` (chunk 0 first: its gradient feeds the previous stage), else
+    a ready ``F`` (chunk 1 first: it brings a unit nearer its backward) while it holds
+    fewer than 2(K + M - 1) units' activations (M: the most token slices of a sequence;
+    1F1B's peak, in half-size chunks), else its oldest pending ``W``; stages move in the
+    order of their start times. Clock cycles on K=2 stages for the plan
+    ``[(1, [8])] * 3``, one step per action (``W`` too), free communication: 19 steps,
+    of which each stage works 18::
+
+        step    |     0           1           2           3           4           5           6           7           8           9           10          11          12          13          14          15          16          17          18
+        --------+------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------------
+        stage 0 | F b0 t0     F b1 t0     F b2 t0     F b0 t0 c1  B b0 t0 c1  W b0 c1     F b1 t0 c1  B b0 t0     B b1 t0 c1  W b0        W b1 c1     B b1 t0     W b1        F b2 t0 c1  B b2 t0 c1  W b2 c1                 B b2 t0     W b2
+        stage 1 |             F b0 t0     F b0 t0 c1  F b1 t0     F b1 t0 c1  B b0 t0 c1  B b0 t0     W b0 c1     F b2 t0     B b1 t0 c1  B b1 t0     W b0        F b2 t0 c1  W b1 c1     W b1        B b2 t0 c1  B b2 t0     W b2 c1     W b2
+    """
+    if n_chunks != 2:
+        raise ValueError(f"{name} holds two chunks per stage in a V, not n_chunks={n_chunks}")
+    _check(n_stages, n_chunks)
+    placement = v_shape(n_stages)
+    orders = _list_schedule(n_stages, plan, placement)
+    return _complete(name, n_stages, plan, placement, orders)
+
+
+def _list_schedule(n_stages: int, plan: Plan, placement: Placement) -> list[ChunkOrder]:
+    """ZB-V's order (see :func:`zbv`), from a list-scheduling run on unit costs."""
+    n_parts = len(placement)
+    part_of = {}  # (stage, chunk) -> part
+    seen = [0] * n_stages
+    for p, k in enumerate(placement):
+        part_of[k, seen[k]] = p
+        seen[k] += 1
+    fwd_queue = [[list(plan.units()) for _ in range(2)] for _ in range(n_stages)]
+    bwd_queue = [[_backward_units(plan) for _ in range(2)] for _ in range(n_stages)]
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(n_stages)]  # (chunk, b) awaiting W
+    held = [0] * n_stages  # units forwarded whose W has not run
+    cap = 2 * (n_stages + max(len(ts) for ts in plan.token_slices) - 1)
+    done: dict[tuple[Kind, int, Unit], float] = {}  # (kind, part, unit) -> end step
+    clock = [0.0] * n_stages
+    orders: list[ChunkOrder] = [[] for _ in range(n_stages)]
+
+    def ready(kind: Kind, k: int, c: int, u: Unit) -> float | None:
+        p = part_of[k, c]
+        needs = []
+        if kind is Kind.F and p > 0:
+            needs.append((Kind.F, p - 1, u))
+        if kind is Kind.B:
+            needs.append((Kind.F, p, u))
+            if p < n_parts - 1:
+                needs.append((Kind.B, p + 1, u))
+        times = [done.get(n) for n in needs]
+        return (
+            None
+            if any(t is None for t in times)
+            else max([0.0, *(t for t in times if t is not None)])
+        )
+
+    while any(q for stage in fwd_queue + bwd_queue for q in stage) or any(pending):
+        moves: list[tuple[float, int, tuple[Kind, int, Unit], float]] = []
+        for k in range(n_stages):
+            now = clock[k]
+            cands: list[tuple[int, float, tuple[Kind, int, Unit]]] = []  # (priority, ready, move)
+            for c in (0, 1):
+                if bwd_queue[k][c]:
+                    u = bwd_queue[k][c][0]
+                    r = ready(Kind.B, k, c, u)
+                    if r is not None:
+                        cands.append((c, r, (Kind.B, c, u)))
+            if held[k] < cap:
+                for c in (1, 0):
+                    if fwd_queue[k][c]:
+                        u = fwd_queue[k][c][0]
+                        r = ready(Kind.F, k, c, u)
+                        if r is not None:
+                            cands.append((2 + (1 - c), r, (Kind.F, c, u)))
+            now_ready = [x for x in cands if x[1] <= now]
+            if now_ready:
+                _, _, move = min(now_ready, key=lambda x: x[0])
+                moves.append((now, k, move, now + 1))
+            elif pending[k]:
+                c, b = pending[k][0]
+                moves.append(
+                    (now, k, (Kind.W, c, Unit(b, WHOLE_SEQUENCE)), now + plan.n_token_slices(b))
+                )
+            elif cands:
+                _, r, move = min(cands, key=lambda x: (x[1], x[0]))
+                moves.append((r, k, move, r + 1))
+        if not moves:
+            # Every stage waits for a forward its cap holds back: let them hold one more.
+            cap += 1
+            continue
+        _, k, (kind, c, u), end = min(moves, key=lambda m: (m[0], m[1]))
+        orders[k].append((kind, c, u))
+        clock[k] = end
+        if kind is Kind.W:
+            pending[k].pop(0)
+            held[k] -= plan.n_token_slices(u.b)
+            continue
+        queue = fwd_queue if kind is Kind.F else bwd_queue
+        queue[k][c].pop(0)
+        done[kind, part_of[k, c], u] = end
+        if kind is Kind.F:
+            held[k] += 1
+        elif u.t == 0:
+            pending[k].append((c, u.b))
+    return orders
+
+
+def _microbatches(generator: Callable[..., Schedule], name: str, token_sliced: str) -> Generator:
+    def build(n_stages: int, plan: Plan, n_chunks: int) -> Schedule:
+        check_whole_sequences(name, plan, token_sliced)
+        return generator(n_stages, plan, n_chunks, name=name)
+
+    build.__doc__ = f"{name}: :func:`{generator.__name__}` over whole sequences."
+    return build
+
+
+def _token_sliced(generator: Callable[..., Schedule], name: str) -> Generator:
+    def build(n_stages: int, plan: Plan, n_chunks: int) -> Schedule:
+        return generator(n_stages, plan, n_chunks, name=name)
+
+    build.__doc__ = f"{name}: :func:`{generator.__name__}` over batch x token slices."
+    return build
+
+
+Generator = Callable[[int, Plan, int], Schedule]
+
+# The registry's entries: (name, generator, the fewest and most chunks it takes, whether
+# it runs token slices).
+CHUNKED: tuple[tuple[str, Generator, int, int | None, bool], ...] = (
+    (
+        "interleaved-1f1b",
+        _microbatches(interleaved_1f1b, "interleaved-1f1b", "terapipe-interleaved"),
+        1,
+        None,
+        False,
+    ),
+    (
+        "terapipe-interleaved",
+        _token_sliced(interleaved_1f1b, "terapipe-interleaved"),
+        1,
+        None,
+        True,
+    ),
+    ("looped-bfs", _microbatches(looped_bfs, "looped-bfs", "terapipe-bfs"), 1, None, False),
+    ("terapipe-bfs", _token_sliced(looped_bfs, "terapipe-bfs"), 1, None, True),
+    ("zbv", _microbatches(zbv, "zbv", "terapipe-zbv"), 2, 2, False),
+    ("terapipe-zbv", _token_sliced(zbv, "terapipe-zbv"), 2, 2, True),
+)
