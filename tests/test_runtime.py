@@ -127,9 +127,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
-    # A last stage's LM head is the model's tied token embedding.
-    last = stage == run.parallelism.n_stages - 1
-    return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
+    # The last part's LM head is the model's tied token embedding, whichever stage holds
+    # it (the last; with a V of virtual stages the first, beside the embedding).
+    return "wte.weight" if name == "head.weight" and run.cfg.tie_embeddings else name
 
 
 def _check_against_reference(run: RunConfig, result: RunResult) -> None:
@@ -310,6 +310,13 @@ DETERMINISM = {
     "1f1b-zb": Plan((1, 1), ((5, 11), (2, 6, 8))),
     "pipedream": Plan((2,), ((5, 11),)),
     "2bw": Plan((1, 1), ((5, 11), (5, 11))),
+    # Virtual stages: two chunks per stage, one of tiny's four layers each.
+    "interleaved-1f1b": Plan.gpipe(2, SEQ_LEN),
+    "terapipe-interleaved": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "looped-bfs": Plan.gpipe(2, SEQ_LEN),
+    "terapipe-bfs": Plan((1, 1), ((5, 11), (2, 6, 8))),
+    "zbv": Plan.gpipe(2, SEQ_LEN),
+    "terapipe-zbv": Plan((1, 1), ((5, 11), (2, 6, 8))),
 }
 
 
@@ -323,11 +330,12 @@ def other_pools() -> Iterator[Callable[[int], LocalPool]]:
 
 
 def _determinism_config(schedule: str, seed: int = 0) -> RunConfig:
-    asynchronous = registered(schedule).asynchronous
+    entry = registered(schedule)
+    asynchronous = entry.asynchronous
     return RunConfig(
         model="tiny",
         schedule_name=schedule,
-        parallelism=Parallelism(n_stages=2),
+        parallelism=Parallelism(n_stages=2, n_chunks=entry.default_chunks),
         data=Data(batch=DETERMINISM[schedule].batch, seq_len=SEQ_LEN),
         slicing=DETERMINISM[schedule],
         timing=Timing(steps=3, timeout_s=60),
@@ -351,13 +359,14 @@ def _assert_identical(a: RunResult, b: RunResult, what: str) -> None:
 
 
 def test_make_test_fast_runs_one_exactness_case_per_registered_schedule() -> None:
-    from tests import test_runtime_async
+    from tests import test_runtime_async, test_runtime_virtual
 
     fast = [
         str(case.values[0]).split("+")[0]
         for case in [*CASES, *test_runtime_async.CASES]
         if any(m.name == "fast" for m in case.marks)
     ]
+    fast += [case[0] for case in test_runtime_virtual.CASES if case[7]]
     assert sorted(fast) == sorted(schedule_names())
 
 

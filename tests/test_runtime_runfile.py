@@ -48,6 +48,13 @@ def test_run_config_round_trips_through_json(tmp_path: Path) -> None:
     assert run_config_from_dict(run_config_to_dict(run)) == run
     save_run_config(run, tmp_path / "run.json")
     assert load_run_config(tmp_path / "run.json") == run
+    chunked = RunConfig(
+        schedule_name="interleaved-1f1b",
+        parallelism=Parallelism(n_stages=2, n_chunks=2),
+        data=Data(batch=2, seq_len=16),
+    )
+    again = run_config_from_dict(run_config_to_dict(chunked))
+    assert again == chunked and again.schedule.placement == (0, 1, 0, 1)
     uniform = RunConfig(data=Data(batch=2, seq_len=16), slicing=4)
     assert run_config_to_dict(uniform)["slicing"] == 4
     assert run_config_from_dict(run_config_to_dict(uniform)) == uniform
@@ -58,7 +65,8 @@ def test_format_2_nests_each_part() -> None:
     assert written["format"] == 2
     assert set(written) == {"format"} | {f for f in RunConfig.__dataclass_fields__ if f[0] != "_"}
     assert written["parallelism"] == {
-        "n_stages": 2, "n_data": 1, "n_op": 1, "ranks_per_node": 0, "stage_ranges": None
+        "n_stages": 2, "n_data": 1, "n_op": 1, "ranks_per_node": 0, "stage_ranges": None,
+        "n_chunks": 1,
     }  # fmt: skip
     assert written["timing"] == {"steps": 1, "warmup": 0, "timeout_s": 180.0, "threads": 0}
     # A part or a field left out takes its default.

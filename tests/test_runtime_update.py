@@ -53,22 +53,24 @@ def test_fp16_buffers_are_the_main_grads_and_no_fp16_grad_is_kept() -> None:
     assert all(b.dtype == torch.float32 for b in buffers)
     assert all(p.grad is None for p in upd.params)
     # The first of two stages holds the tied embedding's first copy: its buffer is wte's.
-    assert upd.tied_grad_buffer() is main_grad(upd.stage.wte.weight)
+    (tied,) = upd.tied_grad_buffers()
+    assert tied is main_grad(upd.stages[0].wte.weight)
     fp32 = _update("fp32", 0, 2)
     assert [b is p.grad for b, p in zip(fp32.grad_buffers(), fp32.params, strict=True)] == [
         True
     ] * len(fp32.params)
-    assert fp32.tied_grad_buffer() is fp32.stage.wte.weight.grad
+    (tied,) = fp32.tied_grad_buffers()
+    assert tied is fp32.stages[0].wte.weight.grad
 
 
 def test_fp16_step_uses_the_main_grads_then_zeroes_them() -> None:
     upd = _update("fp16", 2, 4)
-    ref = build_model(upd.stage.cfg, 2, 4, seed=3)  # the same weights in fp32
-    _, targets = synthetic_batch(upd.stage.cfg, 2, 16, seed=5)
-    x = torch.randn(2, 16, upd.stage.cfg.hidden, generator=torch.Generator().manual_seed(6))
+    ref = build_model(upd.stages[0].cfg, 2, 4, seed=3)  # the same weights in fp32
+    _, targets = synthetic_batch(upd.stages[0].cfg, 2, 16, seed=5)
+    x = torch.randn(2, 16, upd.stages[0].cfg.hidden, generator=torch.Generator().manual_seed(6))
     # The mean loss, as the executor scales it, times fp16's loss scale.
     scale = upd.optimizer.loss_scale / targets.numel()
-    (upd.stage(x.half(), targets=targets).float() * scale).backward()
+    (upd.stages[0](x.half(), targets=targets).float() * scale).backward()
     (ref(x, targets=targets) / targets.numel()).backward()
     assert all(p.grad is None for p in upd.params)  # moved into the main grads
     # The head is the tied embedding's second copy: the first stage counts it in the norm.

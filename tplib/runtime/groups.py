@@ -4,7 +4,8 @@ all-reduces that work under gloo with CUDA tensors.
 Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
 ``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
 one process group per (replica, stage); data parallelism over one per (stage, op rank);
-the tied embedding over one per (replica, op rank) joining the first and last stage.
+the tied embedding over one per (replica, op rank) joining the stages of the model's
+first and last parts (none when one stage holds both, as in a V of virtual stages).
 Every rank creates every group in the same order (``new_group`` is collective).
 
 Between stages a tensor travels once: the last op rank of the sender sends it to the
@@ -58,9 +59,13 @@ class RankGroups:
             for s in range(k)
             for o in range(n)
         }
-        tie = run.cfg.tie_embeddings and k > 1
+        # The tied embedding's two copies: on the stage of the model's first part (0) and
+        # that of its last (K-1; with a V of virtual stages 0 itself, a local sum).
+        self.schedule = run.schedule
+        last = self.schedule.placement[-1]
+        tie = run.cfg.tie_embeddings and last != 0
         tieds = {
-            (rep, o): make([rank_of(rep, 0, o), rank_of(rep, k - 1, o)]) if tie else None
+            (rep, o): make([rank_of(rep, 0, o), rank_of(rep, last, o)]) if tie else None
             for rep in range(r)
             for o in range(n)
         }
@@ -100,15 +105,21 @@ class RankGroups:
             all_reduce_max=lambda t: self.all_reduce(t, self.op, dist.ReduceOp.MAX),
         )
 
+    def peer_stage(self, action: Action) -> int:
+        """The stage at the other end of send or receive ``action``: the one holding the
+        neighbouring part of the model (k+1 or k-1 without virtual stages)."""
+        toward = 1 if action.kind in (Kind.SA, Kind.RG) else -1
+        other = self.schedule.neighbour(action, toward)
+        assert other is not None  # the schedule was validated
+        return other[0]
+
     def wire(self, action: Action) -> tuple[int, int]:
         """(the op rank of this stage that carries ``action``, the rank at the other end)."""
         last = self.parallelism.n_op - 1
-        rep, k = self.replica, self.stage
-        if action.kind is Kind.SA:
-            return last, self.parallelism.rank_of(rep, k + 1, 0)
-        if action.kind in (Kind.RA, Kind.SG):
-            return 0, self.parallelism.rank_of(rep, k - 1, last)
-        return last, self.parallelism.rank_of(rep, k + 1, 0)  # RG
+        peer = self.peer_stage(action)
+        if action.kind in (Kind.SA, Kind.RG):  # to or from the next part's first op rank
+            return last, self.parallelism.rank_of(self.replica, peer, 0)
+        return 0, self.parallelism.rank_of(self.replica, peer, last)  # RA, SG
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for a point-to-point message, at most the run's ``timing.timeout_s``; the

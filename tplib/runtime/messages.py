@@ -1,4 +1,4 @@
-"""One rank's messages to its neighbouring stages: posting them where the schedule's
+"""One rank's messages to the stages that hold its neighbouring parts of the model: posting them where the schedule's
 posting plan says, waiting for each receive, and completing the sends.
 
 NCCL runs the messages between two ranks in order, on one stream, and completes a send
@@ -66,9 +66,9 @@ class Messages:
         shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.hidden)
         return torch.empty(shape, dtype=self.wire_dtype, device=self.wire)
 
-    def post(self, position: int, outputs: dict[Unit, Tensor]) -> None:
+    def post(self, position: int, outputs: dict[tuple[int, Unit], Tensor]) -> None:
         """Post the groups the plan puts before action ``position``; a send takes its
-        unit's tensor out of ``outputs``."""
+        (chunk, unit)'s tensor out of ``outputs``."""
         op_rank = self.groups.op_rank
         for group in self.posting.get(position, ()):
             ops: list[dist.P2POp] = []
@@ -82,7 +82,7 @@ class Messages:
                         ops.append(dist.P2POp(dist.irecv, tensor, peer))
                         carried.append((action, tensor))
                     continue
-                tensor = outputs.pop(action.unit)
+                tensor = outputs.pop((action.chunk, action.unit))
                 if op_rank != carrier:
                     continue  # an op-rank peer sends the (identical) tensor
                 tensor = tensor.to(self.wire_dtype).contiguous().to(self.wire)
@@ -111,7 +111,7 @@ class Messages:
             self.groups.wait(
                 work,
                 f"the {'activation' if activation else 'gradient'} from stage "
-                f"{self.stage + (-1 if activation else 1)} (rank {peer}) of unit "
+                f"{self.groups.peer_stage(action)} (rank {peer}) of unit "
                 f"b{action.b} t{action.t} ({action})",
             )
         self.groups.broadcast_from(buffer, carrier)

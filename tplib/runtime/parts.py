@@ -43,6 +43,11 @@ class Parallelism:
     ``ranks_per_node`` (the processes per node) and the layout checks that they do.
     ``stage_ranges`` gives each stage's layers ``[lo, hi)`` (default: as equal as
     possible); whether they fit the model is the run's check, which knows the model.
+
+    ``n_chunks`` (v) gives each stage v chunks of the model, virtual pipeline stages
+    (:mod:`tplib.schedule.chunks`), for the schedules that place them: the model is cut
+    into v x #Pipe parts, and ``stage_ranges`` then gives one range per part, in model
+    order.
     """
 
     n_stages: int = 1
@@ -50,12 +55,13 @@ class Parallelism:
     n_op: int = 1
     ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
     stage_ranges: tuple[StageRange, ...] | None = None
+    n_chunks: int = 1
 
     def __post_init__(self) -> None:
         check_numbers(
             self,
             integers={
-                **dict.fromkeys(("n_stages", "n_data", "n_op"), (1, None)),
+                **dict.fromkeys(("n_stages", "n_data", "n_op", "n_chunks"), (1, None)),
                 "ranks_per_node": (0, None),
             },
             reals={},
@@ -71,6 +77,11 @@ class Parallelism:
                 "ranks must lie on one node (operation partitioning stays inside a node), so "
                 "#Op must divide the ranks per node"
             )
+
+    @property
+    def n_parts(self) -> int:
+        """v x #Pipe: the parts the model is cut into."""
+        return self.n_chunks * self.n_stages
 
     @property
     def world_size(self) -> int:

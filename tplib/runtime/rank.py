@@ -34,10 +34,11 @@ TRACE_COLUMNS = (
     "b",
     "t",
     "v",
+    "chunk",
     "start",
     "end",
 )
-TraceRow = tuple[int, int, int, int, int, str, int, int, int, float, float]
+TraceRow = tuple[int, int, int, int, int, str, int, int, int, int, float, float]
 
 
 @dataclass
@@ -134,10 +135,11 @@ class Progress:
         actions = schedule.actions[stage]
         action = actions[position]
         unit = f"b{action.b} t{action.t} ({action})"
-        if action.kind is Kind.RA:
-            doing = f"waiting for the activation of {unit} from stage {stage - 1}"
-        elif action.kind is Kind.RG:
-            doing = f"waiting for the gradient of {unit} from stage {stage + 1}"
+        if action.kind in (Kind.RA, Kind.RG):
+            forward = action.kind is Kind.RA
+            peer = schedule.neighbour(action, -1 if forward else 1)
+            what = "activation" if forward else "gradient"
+            doing = f"waiting for the {what} of {unit} from stage {peer[0] if peer else '?'}"
         else:
             doing = f"running {action}"
         where = f"action {position + 1} of {len(actions)} on stage {stage}"

@@ -37,11 +37,8 @@ class RunResult:
     @property
     def losses(self) -> list[float]:
         """The global mean loss of each timed iteration (summed over replicas' shares)."""
-        last = [
-            r
-            for r in self.ranks
-            if r.stage == self.config.parallelism.n_stages - 1 and r.op_rank == 0
-        ]
+        loss_stage = self.config.schedule.placement[-1]  # the model's last part's stage
+        last = [r for r in self.ranks if r.stage == loss_stage and r.op_rank == 0]
         return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
 
     @property

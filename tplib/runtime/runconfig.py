@@ -121,15 +121,25 @@ class RunConfig:
         plan = self._resolve_plan()
         plan.check_covers(self.pipeline_batch, data.seq_len)
         ranges = parallelism.stage_ranges
+        v = parallelism.n_chunks
         if ranges is None:
-            ranges = balanced_stages(cfg.n_layer, parallelism.n_stages)
-        check_stage_ranges(cfg, ranges, parallelism.n_stages)
+            per_stage = cfg.n_layer // parallelism.n_stages
+            if v > 1 and (cfg.n_layer % parallelism.n_stages or per_stage % v):
+                raise ValueError(
+                    f"n_chunks={v} with {parallelism.n_stages} stages of model {cfg.name}'s "
+                    f"{cfg.n_layer} layers: each stage's layers are cut into v equal chunks, "
+                    "so v must divide the layers per stage (give Parallelism.stage_ranges "
+                    "for an uneven cut)"
+                )
+            ranges = balanced_stages(cfg.n_layer, parallelism.n_parts)
+        check_stage_ranges(cfg, ranges, parallelism.n_parts)
         schedule = make_schedule(
             self.schedule_name,
             parallelism.n_stages,
             plan,
             n_iterations=self.timing.iterations,
             vertical_sync=self.vertical_sync,
+            n_chunks=v,
         )
         if schedule.asynchronous:
             self._check_asynchronous(cfg)
@@ -203,7 +213,7 @@ class RunConfig:
         """Refuse a schedule too large to build (see :data:`MAX_UNIT_STAGES`)."""
         asynchronous = self.schedule_name in schedule_names(asynchronous=True)
         spans = self.timing.iterations if asynchronous else 1
-        n_stages = self.parallelism.n_stages
+        n_stages = self.parallelism.n_parts  # a chunk's actions count as a stage's
         if units * n_stages * spans > MAX_UNIT_STAGES:
             raise ValueError(
                 f"{units} units per iteration x n_stages={n_stages}"
@@ -234,7 +244,8 @@ class RunConfig:
 
     @property
     def ranges(self) -> tuple[StageRange, ...]:
-        """Each stage's layer range ``[lo, hi)``."""
+        """Each stage's layer range ``[lo, hi)``; with virtual stages, each part's (see
+        :attr:`Schedule.placement <tplib.schedule.Schedule.placement>` for its stage)."""
         return self._derived[2]
 
     @property

@@ -14,6 +14,8 @@ Where a parameter's gradient accumulates is its *gradient buffer*
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -51,14 +53,20 @@ def stage_optimizer(
 
 
 class Update:
-    """The optimizer of one rank's stage shard and how it steps."""
+    """The optimizer of one rank's stage shard and how it steps: of its one stage module,
+    or with virtual stages of all its chunks' modules together."""
 
-    def __init__(self, run: RunConfig, stage: GPTStage, groups: RankGroups) -> None:
-        self.run, self.stage, self.groups = run, stage, groups
-        self.params = list(stage.parameters())
+    def __init__(
+        self, run: RunConfig, stage: GPTStage | Sequence[GPTStage], groups: RankGroups
+    ) -> None:
+        self.run, self.groups = run, groups
+        self.stages = [stage] if isinstance(stage, GPTStage) else list(stage)
+        self.params = [p for s in self.stages for p in s.parameters()]
         self.optimizer = stage_optimizer(self.params, run.precision, run.optim)
         self.lr_schedule = run.lr_schedule
-        self.tied = shared_weight(stage)  # this stage's copy of a tied embedding, or None
+        # This rank's copies of a tied embedding: none, one (the other is on another
+        # stage), or both (a V of virtual stages puts the first and last parts here).
+        self.tied = [w for s in self.stages if (w := shared_weight(s)) is not None]
         self.counted = self._counted()
         self.grad_norms: list[Tensor] = []  # per timed step, on the device: no sync per step
         self.steps_skipped = 0
@@ -71,10 +79,11 @@ class Update:
         assert all(b is not None for b in buffers)  # allocated in __init__
         return [b for b in buffers if b is not None]
 
-    def tied_grad_buffer(self) -> Tensor | None:
-        """The gradient buffer of this stage's copy of the tied embedding (None when no
-        other stage holds a copy): what the tied all-reduce sums."""
-        return None if self.tied is None else grad_buffer(self.tied)
+    def tied_grad_buffers(self) -> list[Tensor]:
+        """The gradient buffers of this rank's copies of the tied embedding: what the tied
+        all-reduce (one copy here) or the local sum (both here) adds up."""
+        buffers = [grad_buffer(w) for w in self.tied]
+        return [b for b in buffers if b is not None]
 
     def _counted(self) -> list[bool]:
         """Whether this rank adds each of its parameters' gradient (in ``self.params``
@@ -84,14 +93,16 @@ class Update:
         counts them. Replicated parameters (shard_spec None) are equal on every op rank:
         op rank 0 counts them; every op rank counts its shard of a partitioned one
         (vocabulary padding rows have zero gradient). The tied embedding's two copies
-        hold the same summed gradient after the tied all-reduce: the first stage counts it.
+        hold the same summed gradient after the tied all-reduce: the first part's (the
+        embedding, not the head) counts it.
         """
         g = self.groups
-        tied = self.tied if self.stage.is_last else None
         counted = []
-        for name, p in self.stage.named_parameters():  # the order of self.params
-            mine = g.replica == 0 and (g.op_rank == 0 or shard_spec(name) is not None)
-            counted.append(mine and p is not tied)
+        for stage in self.stages:
+            head = shared_weight(stage) if stage.is_last else None
+            for name, p in stage.named_parameters():  # the order of self.params
+                mine = g.replica == 0 and (g.op_rank == 0 or shard_spec(name) is not None)
+                counted.append(mine and p is not head)
         assert len(counted) == len(self.params)
         return counted
 

@@ -2,7 +2,8 @@
 stage's list of actions, iteration after iteration (an asynchronous schedule's list
 spans every iteration of the run, and is walked once).
 
-Each process builds its shard of its stage of the model, then walks the actions of
+Each process builds its shard of its stage of the model (with virtual stages, of each of
+its chunks: one module and one executor per chunk), then walks the actions of
 :attr:`RunConfig.schedule <tplib.runtime.RunConfig.schedule>` through a dispatch
 table from action kind to method (:data:`Worker.DISPATCH`): receive, forward, send and
 the same for gradients (under a zero-bubble schedule the backward leaves the weight
@@ -43,10 +44,10 @@ from torch import Tensor
 from tplib.nn.bytecount import context_tensors
 from tplib.nn.data import batch_rows
 from tplib.nn.dropout import DropoutKey
-from tplib.nn.model import build_model
 from tplib.nn.precision import autocast, param_dtype
-from tplib.nn.slicing import SliceExecutor, unit_rows
+from tplib.nn.slicing import unit_rows
 from tplib.plan import Unit
+from tplib.runtime.chunk import build_chunks, held_contexts
 from tplib.runtime.clock import Mark, PassClock
 from tplib.runtime.groups import RankGroups
 from tplib.runtime.memory import MemoryMeter, StageMemory, reset_cuda_peak
@@ -69,9 +70,11 @@ class _Iteration:
     tokens: Tensor  # this replica's sequences, iteration after iteration, on the device
     targets: Tensor
     loss: Tensor  # per iteration, the last stage's summed scaled loss, on the device
-    # Keyed by the consuming compute action's (kind, b, t), whatever its weight version.
-    received: dict[tuple[Kind, int, int], Tensor] = field(default_factory=dict)
-    outputs: dict[Unit, Tensor] = field(default_factory=dict)  # awaiting their send
+    # Keyed by the consuming compute action's (kind, b, t, chunk), whatever its weight
+    # version: what came in a message, or from the neighbouring chunk on this rank.
+    received: dict[tuple[Kind, int, int, int], Tensor] = field(default_factory=dict)
+    # Keyed by (chunk, unit): outputs and input gradients awaiting their send.
+    outputs: dict[tuple[int, Unit], Tensor] = field(default_factory=dict)
 
 
 Handler = Callable[["Worker", Action, _Iteration], None]
@@ -91,52 +94,47 @@ class Worker:
         self.plan = self.schedule.plan  # an asynchronous one: every iteration's units
         self.device = torch.device(run.device)
         self.groups = RankGroups(run, rank, self.device)
-        lo, hi = run.ranges[self.stage_id]
         self.wire_dtype = param_dtype(run.precision)
-        self.stage = build_model(
-            run.cfg,
-            lo,
-            hi,
-            seed=run.seed,
-            device=self.device,
-            dtype=self.wire_dtype,
-            op=self.groups.op_group(),
-        )
-        self.update = Update(run, self.stage, self.groups)
-        self.params = self.update.params
         self.meter = MemoryMeter()
         self.counting = self.device.type == "cpu" and hooks.count_memory
         self.asynchronous = self.schedule.asynchronous
-        self.executor = SliceExecutor(
-            self.stage,
-            self.plan,
-            loss_scale=1.0 / (run.data.batch * run.data.seq_len),
-            dtype=torch.bfloat16 if run.precision == "bf16" else self.wire_dtype,
-            recompute=run.recompute,
-            hold=self.meter.hold if self.counting else None,
-            keep_contexts=not self.asynchronous,
-            split_backward=self.schedule.split_backward,
-        )
-        self.meter.exclude(self.params)
-        self.messages = Messages(
-            self.plan,
+        self.chunks = build_chunks(
+            run,
             self.stage_id,
-            run.posting[self.stage_id],
-            self.groups,
-            hidden=run.cfg.hidden,
-            wire_dtype=self.wire_dtype,
-            device=self.device,
+            self.device,
+            op=self.groups.op_group(),
+            hold=self.meter.hold if self.counting else None,
         )
+        self.modules = [chunk.module for chunk in self.chunks]
+        self.update = Update(run, self.modules, self.groups)
+        self.params = self.update.params
+        self.meter.exclude(self.params)
+        posting = run.posting[self.stage_id]
+        self.messages = Messages(
+            self.plan, self.stage_id, posting, self.groups, hidden=run.cfg.hidden,
+            wire_dtype=self.wire_dtype, device=self.device,
+        )  # fmt: skip
         self.versions: WeightVersions | None = None
         self.updates = 0  # optimizer steps made so far
         self.position = 0  # the index of the action running in the stage's list
-        if self.asynchronous:
-            self.versions = WeightVersions(self.stage, self.schedule.actions[self.stage_id])
+        if self.asynchronous:  # one chunk per stage: the validator sees to it
+            self.versions = WeightVersions(self.modules[0], self.schedule.actions[self.stage_id])
         else:
             # Contexts up front: they are static memory, never counted as activations.
             for b in range(self.plan.n_batch_slices):
-                self.meter.exclude(context_tensors([self.executor.context(b)]))
-        self.result = RankResult(rank, self.stage_id, self.replica, (lo, hi), self.op_rank)
+                self.meter.exclude(context_tensors([c.executor.context(b) for c in self.chunks]))
+        first = (self.modules[0].lo, self.modules[0].hi)  # the first chunk's, with several
+        self.result = RankResult(rank, self.stage_id, self.replica, first, self.op_rank)
+
+    def _hand_on(self, it: _Iteration, action: Action, step: int, tensor: Tensor) -> None:
+        """Pass a forward's output (``step`` +1) or a backward's input gradient (-1) on: to
+        the neighbouring chunk when this stage holds it, else to the send."""
+        other = self.schedule.neighbour(action, step)
+        if other is not None and other[0] == self.stage_id:
+            consumer = Kind.F if step > 0 else Kind.B
+            it.received[consumer, action.b, action.t, other[1]] = tensor
+        else:
+            it.outputs[action.chunk, action.unit] = tensor
 
     # ---- the actions ----------------------------------------------------------------
 
@@ -144,41 +142,43 @@ class Worker:
         """RA / RG: wait for a unit's activation or gradient (:meth:`Messages.take`),
         for the forward or backward that consumes it."""
         consumer = Kind.F if action.kind is Kind.RA else Kind.B
-        it.received[consumer, action.b, action.t] = self.messages.take(action)
+        it.received[consumer, action.b, action.t, action.chunk] = self.messages.take(action)
 
     def forward(self, action: Action, it: _Iteration) -> None:
-        """F: the unit's forward (on its weight version); the last stage adds its scaled
-        loss."""
-        unit = action.unit
+        """F: the unit's forward on its chunk (on its weight version); the model's last
+        part adds its scaled loss."""
+        unit, chunk = action.unit, self.chunks[action.chunk]
         if self.versions is not None:
             self.versions.use(action.v)
-        x = it.received.pop((action.kind, action.b, action.t), None)
+        x = it.received.pop((action.kind, action.b, action.t, action.chunk), None)
         if x is None:
             x = unit_rows(self.plan, unit, it.tokens)  # token ids
-        y = unit_rows(self.plan, unit, it.targets) if self.stage.is_last else None
+        last = chunk.module.is_last
+        y = unit_rows(self.plan, unit, it.targets) if last else None
         if self.asynchronous and self.counting:  # allocated as the unit enters
-            self.meter.exclude(context_tensors([self.executor.context(unit.b)]))
-        out = self.executor.forward(unit, x, y)
-        if self.stage.is_last:
+            self.meter.exclude(context_tensors([chunk.executor.context(unit.b)]))
+        out = chunk.executor.forward(unit, x, y)
+        if last:
             it.loss[self.schedule.iteration_of(unit.b)] += out.float()
         else:
-            it.outputs[unit] = out
+            self._hand_on(it, action, 1, out)
 
     def backward(self, action: Action, it: _Iteration) -> None:
-        """B: the unit's backward (on its forward's weight version); keeps the input
-        gradient for the previous stage."""
+        """B: the unit's backward on its chunk (on its forward's weight version); hands the
+        input gradient on to the previous part."""
         if self.versions is not None:
             self.versions.use(action.v)
-        grad_in = it.received.pop((action.kind, action.b, action.t), None)
-        grad = self.executor.backward(action.unit, grad_in)
-        if not self.stage.is_first:
+        chunk = self.chunks[action.chunk]
+        grad_in = it.received.pop((action.kind, action.b, action.t, action.chunk), None)
+        grad = chunk.executor.backward(action.unit, grad_in)
+        if not chunk.module.is_first:
             assert grad is not None  # a hidden-state input always has a gradient
-            it.outputs[action.unit] = grad
+            self._hand_on(it, action, -1, grad)
 
     def weight_grad(self, action: Action, it: _Iteration) -> None:
         """W: the weight gradients a split backward deferred, of the unit or (``W b``)
         of the whole sequence in one product per weight."""
-        self.executor.weight_grad(action.b, action.t)
+        self.chunks[action.chunk].executor.weight_grad(action.b, action.t)
 
     def send(self, action: Action, it: _Iteration) -> None:
         """SA / SG: nothing left to do here: the unit's output or input gradient was
@@ -191,12 +191,15 @@ class Worker:
         replicas."""
         if not self.asynchronous:  # in flight, a send may wait on a later receive
             self.messages.complete_sends()
-        # Gradient buffers: .grad, or fp16's fp32 main_grad (tplib.runtime.update).
-        shared = self.update.tied_grad_buffer()
-        if shared is not None and self.groups.tied is not None:
-            # The first stage's embedding and the last stage's head are one parameter of
-            # the model: each copy gets the sum of both gradients.
-            self.groups.all_reduce(shared, self.groups.tied)
+        # Gradient buffers: .grad, or fp16's fp32 main_grad (tplib.runtime.update). The
+        # first part's embedding and the last part's head are one parameter of the model:
+        # each copy gets the sum of both gradients.
+        shared = self.update.tied_grad_buffers()
+        if len(shared) == 2:  # both parts on this stage (a V of virtual stages)
+            shared[0].add_(shared[1])
+            shared[1].copy_(shared[0])
+        elif shared and self.groups.tied is not None:
+            self.groups.all_reduce(shared[0], self.groups.tied)
         if self.groups.data is not None:
             # The loss is already scaled by the global batch: summing gives the mean's
             # gradient.
@@ -208,7 +211,8 @@ class Worker:
         index = self.updates  # one update per iteration, in order
         if self.hooks.collect_grads and index == 0:
             scale = self.update.optimizer.loss_scale
-            names = [n for n, _ in self.stage.named_parameters()]  # Update.params' order
+            # Update.params' order: chunk by chunk.
+            names = [n for m in self.modules for n, _ in m.named_parameters()]
             self.result.grads = {
                 n: (g.float() / scale).cpu()
                 for n, g in zip(names, self.update.grad_buffers(), strict=True)
@@ -260,11 +264,12 @@ class Worker:
         )
         loss = torch.zeros(n, dtype=torch.float32, device=self.device)
         it = _Iteration(index, self._on_device(tokens), self._on_device(targets), loss)
-        self.executor.grad_scale = self.update.optimizer.loss_scale
-        if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
-            self.executor.dropout = DropoutKey.for_iteration(
-                run.seed, index, self.replica * run.pipeline_batch
-            )
+        for chunk in self.chunks:
+            chunk.executor.grad_scale = self.update.optimizer.loss_scale
+            if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
+                chunk.executor.dropout = DropoutKey.for_iteration(
+                    run.seed, index, self.replica * run.pipeline_batch
+                )
         self.progress.set(self.rank, index, Progress.BARRIER)
         dist.barrier()
         clock = PassClock(self.device)
@@ -310,7 +315,7 @@ class Worker:
             self.result.iteration_s += gaps[run.timing.warmup :]
         else:
             self.result.iteration_s.append(elapsed)
-        if self.stage.is_last:
+        if self.schedule.placement[-1] == self.stage_id:  # the stage of the loss
             self.result.losses += [float(x) for x in it.loss[run.timing.warmup if n > 1 else 0 :]]
 
     def _iteration_of(self, index: int, action: Action) -> int:
@@ -333,6 +338,7 @@ class Worker:
                 action.b,
                 action.t,
                 action.v,
+                action.chunk,
                 start,
                 end,
             )
@@ -346,17 +352,12 @@ class Worker:
         time.sleep(10 * self.run.timing.timeout_s)  # "hang": stall until killed or timed out
 
     def _memory(self) -> StageMemory | None:
-        contexts = (
-            self.executor.peak_contexts
-            if self.asynchronous
-            else [self.executor.context(b) for b in range(self.plan.n_batch_slices)]
-        )
         return StageMemory.measure(
-            self.stage,
+            torch.nn.ModuleList(self.modules),
             self.device,
             self.meter if self.counting else None,
             optimizer_state_bytes=self.update.optimizer.state_bytes(),
-            contexts=context_tensors(contexts),
+            contexts=context_tensors(held_contexts(self.chunks, self.asynchronous)),
             stashed=0 if self.versions is None else self.versions.stash_bytes_peak,
         )
 
@@ -376,7 +377,9 @@ class Worker:
         self.result.steps_skipped = self.update.steps_skipped
         if self.hooks.collect_params:
             self.result.params = {
-                n: p.detach().float().cpu().clone() for n, p in self.stage.named_parameters()
+                n: p.detach().float().cpu().clone()
+                for m in self.modules
+                for n, p in m.named_parameters()
             }
         return self.result
 
