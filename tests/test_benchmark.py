@@ -12,15 +12,15 @@ from tplib.schedule import registered, schedule_names
 
 def test_busiest_stage_work_sums_compute_per_rank() -> None:
     rows = [
-        # rank, stage, replica, op_rank, iteration, kind, b, t, v, start, end
-        (0, 0, 0, 0, 0, "F", 0, 0, -1, 0.0, 1.0),
-        (0, 0, 0, 0, 0, "SA", 0, 0, -1, 1.0, 1.5),  # communication: not compute
-        (0, 0, 0, 0, 0, "B", 0, 0, -1, 4.0, 6.0),
-        (1, 1, 0, 0, 0, "F", 0, 0, -1, 1.5, 2.0),
-        (1, 1, 0, 0, 0, "B", 0, 0, -1, 2.0, 3.0),
-        (1, 1, 0, 0, 0, "OPT", -1, -1, -1, 6.0, 6.5),
-        (0, 0, 0, 0, 1, "F", 0, 0, -1, 0.0, 0.5),
-        (1, 1, 0, 0, 1, "F", 0, 0, -1, 0.0, 2.0),
+        # rank, stage, replica, op_rank, iteration, kind, b, t, v, chunk, start, end
+        (0, 0, 0, 0, 0, "F", 0, 0, -1, 0, 0.0, 1.0),
+        (0, 0, 0, 0, 0, "SA", 0, 0, -1, 0, 1.0, 1.5),  # communication: not compute
+        (0, 0, 0, 0, 0, "B", 0, 0, -1, 0, 4.0, 6.0),
+        (1, 1, 0, 0, 0, "F", 0, 0, -1, 0, 1.5, 2.0),
+        (1, 1, 0, 0, 0, "B", 0, 0, -1, 0, 2.0, 3.0),
+        (1, 1, 0, 0, 0, "OPT", -1, -1, -1, 0, 6.0, 6.5),
+        (0, 0, 0, 0, 1, "F", 0, 0, -1, 0, 0.0, 0.5),
+        (1, 1, 0, 0, 1, "F", 0, 0, -1, 0, 0.0, 2.0),
     ]
     busiest = busiest_stage_work(pd.DataFrame(rows, columns=list(TRACE_COLUMNS)))
     assert busiest.tolist() == [3.0, 2.0]

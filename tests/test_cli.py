@@ -362,6 +362,12 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
         (["--recompute", "selective"], "recompute='selective' is not a recompute mode"),
         (["--dtype", "fp8"], "unknown precision 'fp8'"),
         (["--device", "tpu"], "device='tpu'"),
+        (["--chunks", "2"], "n_chunks=2 with schedule 'terapipe': it holds exactly 1"),
+        (
+            ["--schedule", "terapipe-interleaved", "--chunks", "3"],
+            "n_chunks=3 with 2 stages of model tiny's 4 layers",
+        ),
+        (["--schedule", "interleaved-1f1b"], "--slices=4 with interleaved-1f1b: interleaved-1f1b"),
     ],
 )
 def test_bench_bad_layouts_exit_2(

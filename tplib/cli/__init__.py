@@ -217,6 +217,12 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default="small", help="named config (default small)")
     p.add_argument("--data", type=COUNT, default=1, help="#Data: data-parallel replicas")
     p.add_argument("--op", type=ANY_INT, default=1, help="#Op: operation-partitioning ranks/stage")
+    p.add_argument(
+        "--chunks",
+        type=ANY_INT,
+        help="v: chunks (virtual stages) per stage, for the schedules that place them "
+        "(default: the schedule's, 2 for interleaved-1f1b, zbv, ...)",
+    )
     p.add_argument("--recompute", default="none", help="none or full (recompute in backward)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -75,14 +75,22 @@ def bench_command(args: argparse.Namespace) -> int:
         bench,
     )
     from tplib.runtime.pool import local_backend
+    from tplib.schedule import registered
 
-    if args.schedule == "gpipe" and args.slices != 1:
-        raise ValueError(f"--slices={args.slices} with gpipe: gpipe does not slice tokens")
+    entry = registered(args.schedule)
+    if not entry.token_slices and args.slices != 1:
+        raise ValueError(
+            f"--slices={args.slices} with {args.schedule}: {args.schedule} runs whole "
+            "sequences (microbatches) and does not slice tokens"
+        )
+    chunks = entry.default_chunks if args.chunks is None else args.chunks
     optim, changed = _bench_recipe(args)
     run = RunConfig(
         model=args.model,
         schedule_name=args.schedule,
-        parallelism=Parallelism(n_stages=args.stages, n_data=args.data, n_op=args.op),
+        parallelism=Parallelism(
+            n_stages=args.stages, n_data=args.data, n_op=args.op, n_chunks=chunks
+        ),
         recompute=args.recompute,
         precision=args.dtype,
         device=args.device,
