@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+from typing import Any
 
 from tplib.runtime import Data, Parallelism, RunConfig, Timing, launch
 from tplib.runtime.runconfig import Hooks
@@ -66,7 +67,7 @@ def main() -> None:
                 latency.setdefault(run.schedule_name, []).append(
                     statistics.median(result.iteration_s)
                 )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for chunked, one in pairs:
         a, b = latency[chunked.schedule_name], latency[one.schedule_name]
         ratios = [y / x for x, y in zip(a, b, strict=True)]
