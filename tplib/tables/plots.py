@@ -6,7 +6,10 @@ figures (Figures 5, 6 and 7), with the paper's values beside ours.
 end``) and draws one row per stage: forward and backward boxes coloured by batch slice
 (the forward light, the backward dark, as in the paper's Figure 2), sends and receives
 as thin bars under them, the data-parallel all-reduce and the optimizer step in grey.
-Gaps are the pipeline bubbles.
+Gaps are the pipeline bubbles. With virtual stages (a ``chunk`` column, as the
+simulator's and the runtime's traces have), each chunk after the first is outlined and
+dotted its own way, so the loops of an interleaved schedule, or the two arms of a V,
+read apart.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ _STEP_COLORS = {Kind.AR.value: "0.45", Kind.OPT.value: "0.75"}  # the update: AR
 def _lighten(color: tuple[float, float, float], amount: float) -> tuple[float, float, float]:
     r, g, b = color
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
+
+
+def _chunk_hatch(chunk: int) -> str | None:
+    """Chunk 0 plain, then dots, rings, crosses, ... for the chunks after it."""
+    return (None, "..", "oo", "xx", "++", "**")[chunk % 6]
 
 
 def plot_timeline(
@@ -88,18 +96,21 @@ def plot_timeline(
         start = (part["start"].to_numpy() - t0) / time_unit
         width = (part["end"].to_numpy() - part["start"].to_numpy()) / time_unit
         kinds, bs = part["kind"].to_numpy(), part["b"].to_numpy()
-        compute = np.isin(kinds, _COMPUTE)
-        faces = [
-            _lighten(colors[int(b) % len(colors)], 0.55 if k == Kind.F else 0.0)
-            for k, b in zip(kinds[compute], bs[compute], strict=True)
-        ]
-        ax.broken_barh(
-            list(zip(start[compute], width[compute], strict=True)),
-            (y - 0.4, 0.8),
-            facecolors=faces,
-            edgecolor="white",
-            linewidth=0.3,
-        )
+        chunks = part["chunk"].to_numpy() if "chunk" in part else np.zeros(len(part), int)
+        for c in np.unique(chunks):
+            compute = np.isin(kinds, _COMPUTE) & (chunks == c)
+            faces = [
+                _lighten(colors[int(b) % len(colors)], 0.55 if k == Kind.F else 0.0)
+                for k, b in zip(kinds[compute], bs[compute], strict=True)
+            ]
+            ax.broken_barh(
+                list(zip(start[compute], width[compute], strict=True)),
+                (y - 0.4, 0.8),
+                facecolors=faces,
+                edgecolor="white" if c == 0 else "black",
+                linewidth=0.3,
+                hatch=_chunk_hatch(int(c)),
+            )
         # Weight gradients (split backwards): the batch slice's colour, hatched.
         sel = kinds == Kind.W.value
         if sel.any():
@@ -145,6 +156,16 @@ def plot_timeline(
         ),
         *(Patch(facecolor=c, label=k) for k, c in _STEP_COLORS.items()),
     ]
+    if "chunk" in df and (df["chunk"] > 0).any():
+        handles += [
+            Patch(
+                facecolor=_lighten(grey, 0.55),
+                edgecolor="white" if c == 0 else "black",
+                hatch=_chunk_hatch(c),
+                label=f"chunk {c}",
+            )
+            for c in range(int(df["chunk"].max()) + 1)
+        ]
     if show_comm:
         handles.append(Patch(facecolor="black", alpha=0.6, label="send / receive"))
     ax.legend(
