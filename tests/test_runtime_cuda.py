@@ -69,6 +69,7 @@ from tplib.runtime import (
     Timing,
     train_reference,
 )
+from tplib.schedule import registered
 
 from .conftest import Pools, assert_scaled_close
 
@@ -88,6 +89,10 @@ SCHEDULE_PLANS = {
     "1f1b": Plan.uniform(2, SEQ_LEN, n_token_slices=3),
     "terapipe": UNEVEN,
     "terapipe-zb": UNEVEN,
+    # Virtual stages on NCCL: the interleaved wrap from stage 1 back to stage 0, and the
+    # V's local turn and tied embedding summed on one stage.
+    "terapipe-interleaved": UNEVEN,
+    "zbv": Plan.gpipe(2, SEQ_LEN),
 }
 
 
@@ -106,7 +111,9 @@ def _config(
     return RunConfig(
         model="tiny",
         schedule_name=schedule,
-        parallelism=Parallelism(n_stages=2, n_op=n_op),
+        parallelism=Parallelism(
+            n_stages=2, n_op=n_op, n_chunks=registered(schedule).default_chunks
+        ),
         data=Data(batch=2, seq_len=SEQ_LEN),
         slicing=SCHEDULE_PLANS[schedule] if slicing is None else slicing,
         timing=Timing(steps=steps, timeout_s=120),
@@ -121,9 +128,8 @@ def _config(
 
 
 def _model_name(run: RunConfig, stage: int, name: str) -> str:
-    # The last stage's LM head is the model's tied token embedding.
-    last = stage == run.parallelism.n_stages - 1
-    return "wte.weight" if last and name == "head.weight" and run.cfg.tie_embeddings else name
+    # The last part's LM head is the model's tied token embedding, on whichever stage.
+    return "wte.weight" if name == "head.weight" and run.cfg.tie_embeddings else name
 
 
 def _check_coverage(run: RunConfig, result: RunResult, ref: ReferenceResult) -> None:
