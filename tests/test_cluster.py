@@ -1,6 +1,6 @@
 """Tests for tplib.cluster's cost model (tplib.cluster.cost) and its calibration
 (tplib.cluster.calibration, tplib.cluster.fit): the stored calibration is what the
-GPipe-only fit re-derives."""
+GPipe-only fit re-derives; virtual stages priced chunk by chunk, across the wrap."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tplib.paper import GPIPE, SETTINGS, TERAPIPE, main_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency
 from tplib.schedule import WHOLE_SEQUENCE, Action, Kind, make_schedule
+from tplib.schedule.chunks import interleaved, v_shape
 from tplib.search.setting import cost_model, simulate_on_cluster
 from tplib.sim.simulate import action_cost, simulate
 
@@ -264,3 +265,80 @@ def test_terapipe_zb_simulates_on_the_cluster_faster_than_terapipe() -> None:
     base = simulate_on_cluster(s, p, "terapipe")
     assert zb.latency < base.latency
     assert (zb.timeline["kind"] == "W").sum() == s.n_stages * p.n_batch_slices
+
+
+# ---- virtual stages ---------------------------------------------------------------------
+
+PLAN_2K = Plan.from_paper("[(2, [1024, 1024])]")
+
+
+def test_a_chunk_computes_its_own_layers() -> None:
+    """4 stages of 6 layers, 2 chunks each: a chunk is 3 layers, priced as a stage of
+    the 8-stage layout of 3 layers, with the #Op broadcast where its input arrived."""
+    four = ClusterCostModel("GPT3-1B", n_stages=4, n_op=2)
+    eight = ClusterCostModel("GPT3-1B", n_stages=8, n_op=2)
+    whole = four.compute(1, Action(Kind.F, 1, 0, 1), PLAN_2K)  # before placing: shared memo
+    chunks = four.placed(interleaved(4, 2))
+    assert chunks.layers_per_chunk == 3 and four.placed(interleaved(4, 1)) is four
+    for kind in (Kind.F, Kind.B):
+        first = chunks.compute(0, Action(kind, 0, 0, 1), PLAN_2K)  # part 0
+        last = chunks.compute(3, Action(kind, 3, 0, 1, chunk=1), PLAN_2K)  # part 7
+        middle = chunks.compute(1, Action(kind, 1, 0, 1, chunk=1), PLAN_2K)  # part 5
+        assert first == eight.compute(0, Action(kind, 0, 0, 1), PLAN_2K)
+        assert last == eight.compute(7, Action(kind, 7, 0, 1), PLAN_2K)
+        assert middle == eight.compute(5, Action(kind, 5, 0, 1), PLAN_2K)
+        assert len({first, last, middle}) == 2  # a broadcast at one end of the model
+    w = Action(Kind.W, 2, 0, WHOLE_SEQUENCE, chunk=1)
+    assert chunks.weight_grad(2, w, PLAN_2K) == eight.weight_grad(6, w, PLAN_2K)
+    part5 = chunks.compute(1, Action(Kind.F, 1, 0, 1, chunk=1), PLAN_2K)
+    assert four.compute(1, Action(Kind.F, 1, 0, 1), PLAN_2K) == whole > part5
+    # The update covers the stage's 6 layers, whatever its chunks.
+    assert (chunks.optimizer(0), chunks.allreduce(0)) == (four.optimizer(0), four.allreduce(0))
+    with pytest.raises(ValueError, match="must divide the stage's layers"):
+        four.placed(interleaved(4, 4))  # 6 layers do not cut into 4 chunks
+
+
+def test_the_wrap_leaves_the_node_when_the_replica_spans_two() -> None:
+    """#Op = 4: stages 0, 1 fill node 0 and stages 2, 3 node 1. Across the wrap, stage 3
+    sends to stage 0 over the network, as stage 1 sends to stage 2."""
+    m = ClusterCostModel("GPT3-1B", n_stages=4, n_op=4)
+    chunks = m.placed(interleaved(4, 2))
+    wrap = chunks.transfer(3, Action(Kind.SA, 3, 0, 1), PLAN_2K)
+    assert wrap == m.transfer(1, Action(Kind.SA, 1, 0, 1), PLAN_2K)  # between nodes
+    assert wrap > m.transfer(0, Action(Kind.SA, 0, 0, 1), PLAN_2K)  # inside node 0
+    back = chunks.transfer(0, Action(Kind.RA, 0, 0, 1, chunk=1), PLAN_2K)
+    assert back == m.transfer(2, Action(Kind.RA, 2, 0, 1), PLAN_2K)  # staged through host
+    grad = chunks.transfer(0, Action(Kind.SG, 0, 0, 1, chunk=1), PLAN_2K)
+    assert grad == m.transfer(2, Action(Kind.SG, 2, 0, 1), PLAN_2K)
+    assert m.crosses_nodes(3, 0, forward=True) and not m.crosses_nodes(0, 1)
+
+
+def test_the_wrap_inside_one_node_goes_through_host_memory() -> None:
+    """#Op = 2, one node: the wrap runs from GPU 7 to GPU 0, which share no NVLink, as
+    GPUs 3 and 4 (stage 1 to stage 2) do not; GPUs 1 and 2 (stage 0 to 1) have two."""
+    m = ClusterCostModel("GPT3-1B", n_stages=4, n_op=2)
+    wrap = m.placed(interleaved(4, 2)).transfer(3, Action(Kind.SA, 3, 0, 1), PLAN_2K)
+    assert wrap == m.transfer(1, Action(Kind.SA, 1, 0, 1), PLAN_2K)
+    assert wrap > m.transfer(0, Action(Kind.SA, 0, 0, 1), PLAN_2K)
+
+
+def test_the_v_shape_turn_needs_no_broadcast() -> None:
+    """Under a V, stage K-1's second chunk takes its input from its first, on the same
+    GPUs: no message, no #Op broadcast, as the model's first part."""
+    chunks = ClusterCostModel("GPT3-1B", n_stages=4, n_op=2).placed(v_shape(4))
+    turn = chunks.compute(3, Action(Kind.F, 3, 0, 1, chunk=1), PLAN_2K)
+    assert turn == chunks.compute(0, Action(Kind.F, 0, 0, 1), PLAN_2K)
+    assert turn < chunks.compute(1, Action(Kind.F, 1, 0, 1), PLAN_2K)
+
+
+def test_the_planners_slice_time_holds_every_chunks_messages() -> None:
+    """K = 2 on GPUs 0 and 1, v = 2: stage 0's chunks hold parts 0 and 2, which exchange
+    3 activation-gradient pairs with stage 1's parts 1 and 3 (one without chunks), all
+    over the same NVLink."""
+    m = ClusterCostModel("GPT3-1B", n_stages=2)
+    chunks = m.placed(interleaved(2, 2))
+    length, context = np.array([512, 256]), np.array([0, 512])
+    fwd, bwd = m.stage_times(4, length, context)
+    comm = m.slice_time(4, length, context) - fwd - bwd
+    assert comm.min() > 0
+    assert chunks.slice_time(4, length, context) - fwd - bwd == pytest.approx(3 * comm)

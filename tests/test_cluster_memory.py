@@ -310,3 +310,52 @@ def test_peak_in_flight_keeps_deferred_weight_inputs_until_their_w() -> None:
     # A per-unit W releases only its unit: W b0 t1 leaves t0's 0.5.
     per_unit = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "W b0 t1", "F b1 t0")
     assert peak_in_flight(per_unit, _kept, deferred=deferred.__getitem__) == 1000.5
+
+
+# ---- virtual stages: a chunk-unit keeps one chunk's layers ---------------------------------
+
+# TOY4: four layers on K = 2 stages, 2 chunks of one layer each: a chunk keeps a whole
+# sequence's activations of ONE layer (SEQUENCE), a stage the states of two.
+TOY4 = TOY.with_(n_layer=4)
+
+
+def _chunked(name: str, stage: int, recompute: str = "none") -> float:
+    sched = make_schedule(name, 2, Plan.gpipe(4, 16), n_chunks=2)
+    m = stage_memory_on_cluster(TOY4, sched, stage, n_op=1, recompute=recompute)
+    return m.total - RESERVE
+
+
+def test_interleaved_1f1b_holds_more_units_of_fewer_layers() -> None:
+    """Interleaved 1F1B, K = 2, v = 2, four microbatches: stage 0 warms up with
+    2 (K - 1) + (v - 1) K = 4 forwards and runs a fifth before its first backward, stage 1
+    with (v - 1) K = 2 and a third: 5 and 3 chunk-units of one layer. 1F1B keeps 2 and 1
+    microbatches of two layers; breadth-first, every microbatch on every chunk."""
+    assert _chunked("interleaved-1f1b", 0) == 2 * STATES + 5 * SEQUENCE
+    assert _chunked("interleaved-1f1b", 1) == 2 * STATES + 3 * SEQUENCE
+    sched = make_schedule("1f1b", 2, Plan.gpipe(4, 16))
+    flat = stage_memory_on_cluster(TOY4, sched, 0, n_op=1).total - RESERVE
+    assert flat == 2 * STATES + 2 * 2 * SEQUENCE
+    assert _chunked("looped-bfs", 0) == _chunked("looped-bfs", 1) == 2 * STATES + 8 * SEQUENCE
+    # Recomputation: each chunk-unit keeps its own input; one chunk-unit is rebuilt.
+    assert _chunked("interleaved-1f1b", 0, "full") == 2 * STATES + 5 * INPUT + SEQUENCE
+
+
+@pytest.mark.parametrize(("n_stages", "n_chunks"), [(4, 2), (4, 3), (2, 2), (3, 2)])
+def test_interleaving_costs_megatrons_share_more_activations(n_stages: int, n_chunks: int) -> None:
+    """Megatron's figure for stage 0: 1 + (K - 1) / (vK) times 1F1B's activations, on full
+    groups of K microbatches."""
+    plan = Plan.gpipe(2 * n_stages, 2048)
+    ratio = [
+        stage_memory_on_cluster(
+            "GPT3-1B", make_schedule(name, n_stages, plan, n_chunks=v), 0, n_op=1
+        ).activations
+        for name, v in (("interleaved-1f1b", n_chunks), ("1f1b", 1))
+    ]
+    assert ratio[0] / ratio[1] == pytest.approx(1 + (n_stages - 1) / (n_chunks * n_stages))
+
+
+def test_peak_in_flight_keeps_a_unit_on_each_chunk_apart() -> None:
+    actions = [Action(Kind.F, 0, 0, 0), Action(Kind.F, 0, 0, 0, chunk=1)]
+    assert peak_in_flight(actions, _kept) == 2.0  # unit b0 t0 held twice, once per chunk
+    actions += [Action(Kind.B, 0, 0, 0, chunk=1), Action(Kind.F, 0, 1, 0)]
+    assert peak_in_flight(actions, _kept) == 1001.0  # chunk 0 still holds b0 t0

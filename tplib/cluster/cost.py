@@ -14,15 +14,23 @@ of N/K layers never computes faster than the host issues its kernels (paper Fig.
 GPT3-1B layer's forward takes as long for 1 token as for 256): a layer's forward takes
 at least the GPU time of a 256-token GPT3-1B layer forward, its backward twice that.
 
+Virtual stages (:meth:`ClusterCostModel.placed`): v chunks per stage of N / (vK) layers
+each. A chunk computes its own layers, broadcasts in its #Op group only what came from
+another stage, and sends to the stage of the neighbouring part, across the wrap from
+stage K-1 to stage 0 too (off the node unless the replica fits in one). ``slice_time``
+holds all of a stage's chunks, each with its messages; the update, all N / K layers.
+
 Sends run on the compute stream, so a stage is busy while it sends (``comm``, see
 :class:`~tplib.cluster.calibration.Calibration`); a message between nodes also passes
-through host memory at both ends (``staging``: the nodes have no GPUDirect RDMA). The data-parallel all-reduce crosses
-the network, and all 8 GPUs of a node all-reduce at about the same time (their stages
-finish the backward within a few slices of each other): they SHARE the node's 25 Gbps.
+through host memory at both ends (``staging``: the nodes have no GPUDirect RDMA). The
+data-parallel all-reduce crosses the network, and all 8 GPUs of a node all-reduce at
+about the same time (their stages finish the backward within a few slices of each
+other): they SHARE the node's 25 Gbps.
 """
 
 from __future__ import annotations
 
+import copy
 from functools import cached_property
 
 import numpy as np
@@ -36,9 +44,12 @@ from tplib.nn.configs import GPTConfig, check_recompute, get_config, n_params_pe
 from tplib.paper import Setting
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices
-from tplib.sim.costs import memo, ring_allreduce, unit_shape
+from tplib.schedule.chunks import Placement
+from tplib.sim.costs import Parts, memo, ring_allreduce, unit_shape
 
 __all__ = ["ClusterCostModel"]
+
+Bytes = np.ndarray | float
 
 # Optimizer step per parameter: fp16 grad -> fp32 master grad with loss unscaling
 # (r 2 + w 4, then r/w 4 + 4), fused Adam (r param, grad, m, v; w param, m, v: 28),
@@ -54,7 +65,8 @@ class ClusterCostModel:
 
     ``model``: a config or its name; ``n_stages`` (K), ``n_op`` (#Op) and ``n_data``
     (#Data) as in Table 1; ``seq_len`` (L) bounds context + slice length; ``recompute``
-    ("none" or "full") as the runtime's.
+    ("none" or "full") as the runtime's; ``placement`` the stage of each model part with
+    virtual stages (:meth:`placed`; None: one part per stage).
     """
 
     max_batch_slice_size: int | None = None  # analytic: it prices any batch slice
@@ -71,6 +83,7 @@ class ClusterCostModel:
         calibration: Calibration = CALIBRATION,
         hardware: Hardware = P3_16XLARGE,
         recompute: str = "none",
+        placement: Placement | None = None,
     ) -> None:
         check_recompute(recompute)
         self.recompute = recompute
@@ -81,6 +94,27 @@ class ClusterCostModel:
         self.layers_per_stage = self.cfg.n_layer // n_stages
         self.cal, self.hw = calibration, hardware
         self.blocking_sends = calibration.comm != "async"
+        self._place(Parts.of_stages(n_stages) if placement is None else Parts(placement))
+
+    def _place(self, parts: Parts) -> None:
+        v = parts.n_chunks
+        if parts.n_stages != self.n_stages or self.layers_per_stage % v:
+            raise ValueError(
+                f"placement {parts.placement} on {self.n_stages} stages of "
+                f"{self.layers_per_stage} layers: it must place {v} chunks on each stage, "
+                f"and {v} must divide the stage's layers (every part has as many layers)"
+            )
+        self.parts, self.layers_per_chunk = parts, self.layers_per_stage // v
+
+    def placed(self, placement: Placement) -> ClusterCostModel:
+        """The same layout running a schedule of ``placement`` (virtual stages: see the
+        module docstring); ``self`` if it already prices that placement."""
+        if tuple(placement) == self.parts.placement:
+            return self
+        # The copy shares the memo caches: their keys hold all that a placement changes.
+        other = copy.copy(self)
+        other._place(Parts(tuple(placement)))
+        return other
 
     @classmethod
     def for_setting(
@@ -98,9 +132,10 @@ class ClusterCostModel:
         )
 
     def __repr__(self) -> str:
+        chunks = f", v={self.parts.n_chunks}" if self.parts.n_chunks > 1 else ""
         return (
             f"ClusterCostModel({self.cfg.name}, K={self.n_stages}, #Op={self.n_op}, "
-            f"#Data={self.n_data}, L={self.seq_len})"
+            f"#Data={self.n_data}, L={self.seq_len}{chunks})"
         )
 
     # ---- rates and one layer --------------------------------------------------------
@@ -163,13 +198,18 @@ class ClusterCostModel:
     # ---- one stage -------------------------------------------------------------------
 
     def stage_times(
-        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
+        self,
+        batch_slice_size: int,
+        length: np.ndarray,
+        context: np.ndarray,
+        layers: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Compute seconds of one stage (N/K layers) for a slice: (forward, backward),
-        without the broadcast of received tensors inside the #Op group. With full
-        recomputation the backward runs the forward again first."""
+        """Compute seconds of one stage (N/K layers, or ``layers``: a chunk's) for a
+        slice: (forward, backward), without the broadcast of received tensors inside the
+        #Op group. With full recomputation the backward runs the forward again first."""
+        n = self.layers_per_stage if layers is None else layers
         fwd, bwd = self.layer_seconds(batch_slice_size, length, context)
-        fwd, bwd = self.layers_per_stage * fwd, self.layers_per_stage * bwd
+        fwd, bwd = n * fwd, n * bwd
         return fwd, bwd + fwd if self.recompute == "full" else bwd
 
     def layer_seconds(
@@ -191,45 +231,56 @@ class ClusterCostModel:
         rank = gpu_rank(stage, op_rank, replica, n_stages=self.n_stages, n_op=self.n_op)
         return rank // self.hw.gpus_per_node
 
-    def crosses_nodes(self, src: int, dst: int) -> bool:
-        """Whether a send from stage ``src`` to the adjacent stage ``dst`` leaves the node."""
-        a, b = send_ranks(src, dst, self.n_op)
+    def crosses_nodes(self, src: int, dst: int, forward: bool | None = None) -> bool:
+        """Whether a send from stage ``src`` to stage ``dst`` leaves the node (``forward``:
+        an activation; default ``dst > src``, see :func:`~tplib.cluster.layout.send_ranks`)."""
+        a, b = send_ranks(src, dst, self.n_op, forward)
         return a // self.hw.gpus_per_node != b // self.hw.gpus_per_node
 
-    def p2p(self, src: int, dst: int, nbytes: np.ndarray | float) -> np.ndarray:
-        """Seconds to move ``nbytes`` from stage ``src`` to the adjacent stage ``dst``."""
+    def p2p(self, src: int, dst: int, nbytes: Bytes, forward: bool | None = None) -> np.ndarray:
+        """Seconds to move ``nbytes`` from stage ``src`` to stage ``dst`` (``forward``
+        as in :meth:`crosses_nodes`)."""
         nbytes = np.asarray(nbytes, dtype=float)
-        if self.crosses_nodes(src, dst):
+        if self.crosses_nodes(src, dst, forward):
             net = self.cal.network_efficiency * self.hw.network
             return (
                 nbytes / net + self.cal.inter_node_latency + self.staging(nbytes, receiving=False)
             )
-        a, b = send_ranks(src, dst, self.n_op)
+        a, b = send_ranks(src, dst, self.n_op, forward)
         g = self.hw.gpus_per_node
         return nbytes / self._intra_p2p(a % g, b % g) + self.cal.intra_node_latency
 
-    def receive(self, src: int, dst: int, nbytes: np.ndarray | float) -> np.ndarray:
+    def receive(self, src: int, dst: int, nbytes: Bytes, forward: bool | None = None) -> np.ndarray:
         """Seconds the receiving stage itself is busy with a receive: the whole transfer
         (rendezvous), only the call's latency (eager: the data waits in NCCL's buffer),
         or nothing (async)."""
         nbytes = np.asarray(nbytes, dtype=float)
         if self.cal.comm == "rendezvous":
-            return self.p2p(src, dst, nbytes)
+            return self.p2p(src, dst, nbytes, forward)
         if self.cal.comm == "async":
             return np.zeros_like(nbytes)
-        if self.crosses_nodes(src, dst):
+        if self.crosses_nodes(src, dst, forward):
             return self.cal.inter_node_latency + self.staging(nbytes, receiving=True)
         return np.full_like(nbytes, self.cal.intra_node_latency)
 
     def stage_comm(self, stage: int, nbytes: np.ndarray | float) -> np.ndarray:
-        """Seconds of pipeline communication stage ``stage`` adds per unit: its send to
-        each neighbour (on the critical path even when asynchronous), its share of each
-        receive, and the #Op broadcast of what it received."""
+        """Seconds of pipeline communication stage ``stage`` adds per unit: for each of
+        its chunks, its send to the stage of each neighbouring part (on the critical
+        path even when asynchronous), its share of each receive, and the #Op broadcast
+        of what it received; nothing between two chunks of the stage."""
         nbytes = np.asarray(nbytes, dtype=float)
         total = np.zeros_like(nbytes)
-        for nbr in (stage - 1, stage + 1):
-            if 0 <= nbr < self.n_stages:
-                total = total + self.p2p(stage, nbr, nbytes) + self.receive(nbr, stage, nbytes)
+        for chunk in range(self.parts.n_chunks):
+            for step in (-1, 1):
+                nbr = self.parts.neighbour(stage, chunk, step)
+                if nbr is None or nbr == stage:
+                    continue
+                forward = step > 0
+                total = (
+                    total
+                    + self.p2p(stage, nbr, nbytes, forward)
+                    + self.receive(nbr, stage, nbytes, not forward)
+                )
                 total = total + self._op_broadcast(nbytes)
         return total
 
@@ -246,25 +297,28 @@ class ClusterCostModel:
         comm = np.max([self.stage_comm(k, nbytes) for k in range(self.n_stages)], axis=0)
         return fwd + bwd + comm
 
-    def wgrad_time(self, batch_slice_size: int, length: np.ndarray) -> np.ndarray:
-        """Seconds of one stage's weight gradients over ``batch_slice_size`` x ``length``
-        tokens at once (:class:`~tplib.planner.zero_bubble.WeightGradModel`)."""
+    def wgrad_time(
+        self, batch_slice_size: int, length: np.ndarray, layers: int | None = None
+    ) -> np.ndarray:
+        """Seconds of one stage's (or ``layers``') weight gradients over ``batch_slice_size``
+        x ``length`` tokens at once (:class:`~tplib.planner.zero_bubble.WeightGradModel`)."""
         tokens = batch_slice_size * np.asarray(length, dtype=float)
         t = layer_wgrad_time(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)
-        return self.layers_per_stage * t
+        return (self.layers_per_stage if layers is None else layers) * t
 
     # ---- ActionCosts (simulator) -----------------------------------------------------
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        """A stage's forward or backward of a unit, with the #Op broadcast of the
-        received input (forward) or gradient (backward)."""
-        size, length, context = unit_shape(plan, action)
-        receives = stage > 0 if action.kind is Kind.F else stage < self.n_stages - 1
-        return self._compute(action.kind, receives, size, length, context)
+        """A chunk's forward or backward of a unit (a stage's, without virtual stages),
+        with the #Op broadcast of what it received from another stage."""
+        shape, receives = unit_shape(plan, action), self.parts.receives(stage, action)
+        return self._compute(action.kind, receives, *shape, self.layers_per_chunk)
 
     @memo
-    def _compute(self, kind: Kind, receives: bool, size: int, length: int, context: int) -> float:
-        fwd, bwd = self.stage_times(size, np.array([length]), np.array([context]))
+    def _compute(
+        self, kind: Kind, receives: bool, size: int, length: int, context: int, layers: int
+    ) -> float:
+        fwd, bwd = self.stage_times(size, np.array([length]), np.array([context]), layers)
         t = float((fwd if kind is Kind.F else bwd)[0])
         if receives:
             nbytes = np.array([FP16 * size * length * self.cfg.hidden])
@@ -279,28 +333,28 @@ class ClusterCostModel:
         with ``B``."""
         ts = plan.token_slices[action.b]
         length = sum(ts[t] for t in covered_slices(plan, action.b, action.t))
-        return self._weight_grad(plan.batch_slices[action.b] * length)
+        return self._weight_grad(plan.batch_slices[action.b] * length, self.layers_per_chunk)
 
     @memo
-    def _weight_grad(self, tokens: int) -> float:
-        return float(self.wgrad_time(1, np.array([tokens]))[0])
+    def _weight_grad(self, tokens: int, layers: int) -> float:
+        return float(self.wgrad_time(1, np.array([tokens]), layers)[0])
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
-        """A send's time on the link; a receive's own time on the receiving stage."""
+        """A send's time on the link; a receive's own time on the receiving stage; the
+        peer holds the neighbouring part (across the wrap too)."""
         size, length, _ = unit_shape(plan, action)
-        # One chunk per stage: the peer is the neighbouring stage.
-        toward = 1 if action.kind in (Kind.SA, Kind.RG) else -1
-        peer = stage + toward
-        src, dst = (stage, peer) if action.kind in SENDS else (peer, stage)
-        return self._transfer(action.kind in SENDS, src, dst, size, length)
+        src, dst = self.parts.link(stage, action)
+        forward = action.kind in (Kind.SA, Kind.RA)
+        return self._transfer(action.kind in SENDS, src, dst, forward, size, length)
 
     @memo
-    def _transfer(self, send: bool, src: int, dst: int, size: int, length: int) -> float:
-        nbytes = FP16 * size * length * self.cfg.hidden
-        return float(self.p2p(src, dst, nbytes) if send else self.receive(src, dst, nbytes))
+    def _transfer(self, send: bool, src: int, dst: int, fwd: bool, size: int, n: int) -> float:
+        nbytes = FP16 * size * n * self.cfg.hidden
+        return float((self.p2p if send else self.receive)(src, dst, nbytes, fwd))
 
     def stage_params(self, stage: int = 0) -> float:
-        """Parameters one GPU of ``stage`` holds (every stage holds N/K layers)."""
+        """Parameters one GPU of ``stage`` holds (every stage holds N/K layers, in all
+        its chunks)."""
         return self.layers_per_stage * self.params_per_layer
 
     def allreduce(self, stage: int) -> float:

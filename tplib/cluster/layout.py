@@ -10,6 +10,8 @@ n holds ranks 8n..8n+7, so it holds 8/#Op consecutive stages of one replica. Sta
 sends one copy of its output from its last GPU to the first GPU of stage k+1 (their
 NVLinks in a node, or PCIe through host memory where the hybrid cube-mesh has no link,
 e.g. GPUs 3 -> 4; the node's 25 Gbps across nodes), which broadcasts it to its #Op group.
+With virtual stages the activations also wrap from stage K-1 back to stage 0, which
+leaves the node whenever the replica spans more than one.
 Replicas of a stage sit on different nodes, so the data-parallel all-reduce crosses the
 network.
 """
@@ -48,11 +50,14 @@ def gpu_rank(stage: int, op_rank: int = 0, replica: int = 0, *, n_stages: int, n
     return (replica * n_stages + stage) * n_op + op_rank
 
 
-def send_ranks(src: int, dst: int, n_op: int) -> tuple[int, int]:
-    """Ranks (in replica 0) of the GPUs that carry a send from stage ``src`` to the
-    adjacent stage ``dst``: the last GPU of the sender forward, the first GPU of the
-    sender backward."""
+def send_ranks(src: int, dst: int, n_op: int, forward: bool | None = None) -> tuple[int, int]:
+    """Ranks (in replica 0) of the GPUs that carry a send from stage ``src`` to stage
+    ``dst``: the last GPU of the sender to the first of the receiver for an activation
+    (``forward``), the first GPU of the sender to the last of the receiver for a
+    gradient. ``forward`` defaults to ``dst > src``, the direction between adjacent
+    stages; with virtual stages the activation that wraps from the last stage back to
+    the first goes forward to a lower stage."""
     last = n_op - 1
-    if dst > src:
+    if dst > src if forward is None else forward:
         return src * n_op + last, dst * n_op
     return src * n_op, dst * n_op + last

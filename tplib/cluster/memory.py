@@ -23,6 +23,12 @@ each an extra fp16 copy of its weights while the master weights, gradients and A
 state stay single; and it keeps the activations of the units in flight at its peak, a
 maximum over the schedule (:func:`peak_in_flight`) rather than the whole minibatch. For
 a fill-drain schedule that is :func:`memory_per_gpu` again.
+
+Virtual stages. With v chunks per stage a unit is in flight on each chunk separately,
+from the chunk's forward to its backward, and keeps that chunk's N / (vK) layers'
+activations. Interleaved 1F1B holds more chunk-units than 1F1B holds units (stage 0:
+vK + K - 1 at its peak against K) but each is 1/v of a stage: 1 + (K - 1) / (vK) times
+1F1B's activations, Megatron's figure, read off the schedule rather than assumed.
 """
 
 from __future__ import annotations
@@ -160,14 +166,15 @@ def stage_memory_on_cluster(
     (see the module docstring). ``versions``: the weight versions it holds at once
     (default: :func:`~tplib.schedule.asynchronous.held_versions` of the schedule); each
     beyond the first adds an fp16 copy of the stage's weights. Activations: the most
-    bytes kept by units forwarded and not yet backwarded on the stage; with
-    ``recompute="full"`` a unit keeps only its input (fp16 hidden states) and its
-    activations are rebuilt, one unit at a time, inside its backward."""
+    bytes kept by units forwarded and not yet backwarded on the stage (with virtual
+    stages, on each chunk: its N / (vK) layers); with ``recompute="full"`` a unit keeps
+    only its input (fp16 hidden states, once per chunk) and its activations are
+    rebuilt, one unit at a time, inside its backward."""
     check_recompute(recompute)
     cfg = get_config(model) if isinstance(model, str) else model
     plan = schedule.plan
-    layers = cfg.n_layer // schedule.n_stages
-    params = layers * n_params_per_layer(cfg) / n_op
+    params = cfg.n_layer // schedule.n_stages * n_params_per_layer(cfg) / n_op
+    layers = cfg.n_layer // schedule.n_parts  # what one chunk's units keep activations of
     held = held_versions(schedule)[stage] if versions is None else versions
     states = STATE_BYTES * params + (held - 1) * FP16 * params
     per_token, score_bytes = activation_rates(cfg, n_op)
@@ -267,26 +274,28 @@ def peak_in_flight(
     """The most bytes a stage keeps for backward at once under its ``actions``: ``kept(u)``
     from unit u's forward to its backward, plus, with recomputation, ``rebuilt(u)``
     while u's backward runs, and under split backwards ``deferred(u)`` from u's ``B`` to
-    the ``W`` that computes its weight gradients."""
-    alive: dict[Unit, float] = {}
-    waiting: dict[Unit, float] = {}
+    the ``W`` that computes its weight gradients. With virtual stages a unit is held on
+    each chunk apart, each time ``kept(u)``: the bytes of one chunk's layers."""
+    alive: dict[tuple[Unit, int], float] = {}
+    waiting: dict[tuple[Unit, int], float] = {}
     peak = 0.0
     for action in actions:
+        key = (action.unit, action.chunk)
         if action.kind is Kind.F:
-            alive[action.unit] = kept(action.unit)
+            alive[key] = kept(action.unit)
             peak = max(peak, sum(alive.values()) + sum(waiting.values()))
         elif action.kind is Kind.B:
             held = sum(alive.values()) + sum(waiting.values())
             if rebuilt is not None:
                 peak = max(peak, held + rebuilt(action.unit))
-            alive.pop(action.unit, None)
+            alive.pop(key, None)
             if deferred is not None:
-                waiting[action.unit] = deferred(action.unit)
+                waiting[key] = deferred(action.unit)
                 peak = max(peak, sum(alive.values()) + sum(waiting.values()))
         elif action.kind is Kind.W:
-            for u in [u for u in waiting if u.b == action.b]:
+            for u, c in [k for k in waiting if k[0].b == action.b and k[1] == action.chunk]:
                 if action.whole_sequence or u.t == action.t:
-                    del waiting[u]
+                    del waiting[u, c]
     return peak
 
 

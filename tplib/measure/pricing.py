@@ -10,7 +10,7 @@ measured by ping-pong. Nothing here imports torch: the costs are plain data.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -18,7 +18,8 @@ from tplib.nn.configs import stage_params
 from tplib.perfmodel import Profile
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices
-from tplib.sim.costs import Link, memo, ring_allreduce, unit_shape
+from tplib.schedule.chunks import Placement
+from tplib.sim.costs import Link, Parts, memo, ring_allreduce, unit_shape
 
 __all__ = ["BYTES_PER_ACTIVATION", "BottleneckCost", "LocalCosts", "local_costs"]
 
@@ -32,9 +33,15 @@ class LocalCosts:
     ``compute``: stage k's profile, t(b, l, c) without communication, split into forward
     and backward by the stage's measured forward share; ``weight_grad`` (the ``W`` of a
     split backward), the stage's measured weight-gradient share. ``transfer``: a send
-    occupies the link for its one-way time; a posted receive costs its stage nothing beyond waiting,
-    since the copy out of the socket is part of that one-way time. ``allreduce`` /
-    ``optimizer``: per stage, see :func:`local_costs`.
+    occupies the link for its one-way time; a posted receive costs its stage nothing
+    beyond waiting, since the copy out of the socket is part of that one-way time.
+    ``allreduce`` / ``optimizer``: per stage, see :func:`local_costs`.
+
+    With virtual stages (:meth:`placed`, ``n_chunks`` v) a chunk's forward, backward and
+    ``W`` take 1/v of its stage's profile: the profiles were timed on whole stages, so a
+    stage's embeddings or head are spread over its chunks, an approximation until chunks
+    are profiled on their own. Every pair of local processes shares the one measured
+    link, so a message costs the same whichever rank it goes to (across the wrap too).
     """
 
     profiles: tuple[Profile, ...]
@@ -42,6 +49,17 @@ class LocalCosts:
     t_allreduce: tuple[float, ...]
     t_optimizer: tuple[float, ...]
     blocking_sends: bool = False
+    n_chunks: int = 1
+
+    def placed(self, placement: Placement) -> LocalCosts:
+        """These costs for a schedule of ``placement`` on the profiled stages."""
+        parts = Parts(placement)
+        if parts.n_stages != len(self.profiles):
+            raise ValueError(
+                f"placement {parts.placement} spreads the model over {parts.n_stages} "
+                f"stages, but these costs have profiles of {len(self.profiles)}"
+            )
+        return replace(self, n_chunks=parts.n_chunks)
 
     @memo
     def _slice(self, stage: int, size: int, length: int, context: int) -> float:
@@ -51,14 +69,14 @@ class LocalCosts:
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
         share = self.profiles[stage].fwd_fraction
         share = share if action.kind is Kind.F else 1.0 - share
-        return share * self._slice(stage, *unit_shape(plan, action))
+        return share * self._slice(stage, *unit_shape(plan, action)) / self.n_chunks
 
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
         """A ``W``: the profile's measured weight-gradient share of the unit's tokens, or
         of the whole sequence's at once."""
         ts = plan.token_slices[action.b]
         length = sum(ts[t] for t in covered_slices(plan, action.b, action.t))
-        return self._wgrad(stage, plan.batch_slices[action.b], length)
+        return self._wgrad(stage, plan.batch_slices[action.b], length) / self.n_chunks
 
     @memo
     def _wgrad(self, stage: int, size: int, length: int) -> float:

@@ -5,6 +5,32 @@ tokens of context (Eq. 4). With ``K`` stages, a slicing ``l_1..l_M`` of a sequen
 
     T = sum_i t_i + (K - 1) * max_i t_i                                         (Eq. 5)
 
+With virtual stages, ``v`` chunks per stage (``n_chunks``; the schedules
+``terapipe-interleaved`` and ``terapipe-bfs``), each stage holds v parts of the model and a
+slice costs each part t_i / v, t_i still a whole stage's time (all its chunks, each with
+its messages). The planner then minimises
+
+    T_v = sum_i t_i + (K - 1) / v * max_i t_i                                  (Eq. 5, v)
+
+the same DP with the fill term's weight (K - 1) / v (:func:`fill_factor`). What T_v is
+for each schedule, with identical stages, free communication and a forward that takes a
+fixed share of each t_i (the simulator's :func:`~tplib.sim.simulate.costs_from_slice_model`):
+
+- ``terapipe-bfs`` (every unit through chunk 0, then chunk 1, ...; backwards in reverse):
+  T_v is its latency exactly when ``sum_i t_i >= K * max_i t_i``. Each chunk's round is a
+  flow shop on K ranks whose longest path fills the pipe once, by K - 1 parts of 1/v of
+  a stage on the largest unit, and passes each later round's rank through the stage's
+  queue (the whole round, sum t / v) rather than round the ring (K t_j / v), which the
+  condition makes the longer way. With fewer or smaller units the ring idles between
+  rounds and T_v is a lower bound.
+- ``terapipe-interleaved`` (Megatron's 1F1B over groups of K units): T_v is its latency
+  on equal units in full groups (each sequence cut into K token slices, or one sequence
+  into a multiple of K), Megatron's (units + (K - 1) / v) t. On every other slicing the
+  tests enumerate it stays below the simulated latency, by up to 2x where sequences have
+  more token slices than K: the generator's warm-up, counted from (v - 1) K + M - 1,
+  then falls short of the first backward's place in the forward order, and the stages
+  wait on each other in turn. T_v is a lower bound there, not a prediction.
+
 Fixing ``t_max`` turns this into the DP ``S*(i) = min_k S*(i - k) + t(k, i - k)`` over
 slices with ``t <= t_max`` (Eq. 8, Algorithm 1), and ``T* = min over t_max of
 S*(L) + (K - 1) t_max`` (Eq. 6). Lengths live on a grid of ``g`` tokens (``n = L / g``).
@@ -15,7 +41,7 @@ How ``t_max`` is searched. Candidates are the sorted distinct slice costs, group
 *eps-windows* from the smallest up: a window starts at the smallest value not yet covered
 and holds the values below start + eps. The DP runs with ``t_max`` = the window's top, so
 every slicing whose largest slice falls in the window is allowed and the result is within
-``(K - 1) * eps`` of the optimum (eps=0: one window per value, exact). (Trying the
+``(K - 1) / v * eps`` of the optimum (eps=0: one window per value, exact). (Trying the
 window's *first* value, as a literal reading of the paper does, loses that bound when the
 next candidate lies far above.) Windows are searched by branch and bound, many at once in
 one vectorised DP: ``S*`` never increases with ``t_max``, so the windows between two
@@ -34,7 +60,16 @@ import numpy as np
 from tplib.planner.cost_table import by_end, check_batch_slice_size, slice_time_table
 from tplib.sim.costs import SliceCostModel
 
-__all__ = ["Search", "TokenSlicing", "algorithm1", "prepare", "run_dp", "token_dp", "windows"]
+__all__ = [
+    "Search",
+    "TokenSlicing",
+    "algorithm1",
+    "fill_factor",
+    "prepare",
+    "run_dp",
+    "token_dp",
+    "windows",
+]
 
 PROBES = 16  # t_max windows probed per objective per DP sweep; more = fewer, wider sweeps
 
@@ -44,7 +79,7 @@ class TokenSlicing:
     """The token DP's answer for one batch-slice size."""
 
     slices: tuple[int, ...]  # token lengths l_1..l_M
-    latency: float  # T = total + (K - 1) * t_max (Eq. 5)
+    latency: float  # T = total + (K - 1) / v * t_max (Eq. 5; v = 1 without chunks)
     t_max: float  # largest slice time of this slicing (may be below the t_max tried)
     total: float  # sum of the slice times, S*(L; t_max)
 
@@ -116,20 +151,33 @@ def windows(values: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
     return values[idx], values[np.append(idx[1:], len(values)) - 1]
 
 
-class Search:
-    """Branch and bound over t_max windows for one objective (see the module docstring).
-    ``gaps`` are open intervals (a, c) of unevaluated windows; S[W] = 0 is a sentinel."""
+def fill_factor(n_stages: int, n_chunks: int = 1) -> float:
+    """The weight of t_max in the objective: K - 1, or (K - 1) / v with v chunks per
+    stage (see the module docstring)."""
+    if n_stages < 1 or n_chunks < 1:
+        raise ValueError(
+            f"n_stages K={n_stages}, n_chunks v={n_chunks}: a pipeline needs at least one "
+            "stage, and each stage at least one chunk"
+        )
+    return (n_stages - 1) / n_chunks
 
-    def __init__(self, starts: np.ndarray, tops: np.ndarray, n_stages: int) -> None:
-        self.starts, self.tops, self.k = starts, tops, n_stages
+
+class Search:
+    """Branch and bound over t_max windows for one objective (see the module docstring):
+    T = S* + ``fill`` * t_max. ``gaps`` are open intervals (a, c) of unevaluated
+    windows; S[W] = 0 is a sentinel."""
+
+    def __init__(self, starts: np.ndarray, tops: np.ndarray, fill: float) -> None:
+        self.starts, self.tops, self.fill = starts, tops, fill
         self.S = np.zeros(len(starts) + 1)
         self.best = np.inf
         self.gaps: list[tuple[int, int]] = [(-1, len(starts))]
         self.s_inf = 0.0  # S* with no limit, a lower bound on every S*
 
     def _bound(self, a: int, c: int) -> float:
+        # T >= S*(c) + fill * lo, and T >= (1 + fill) * lo since the sum holds the max.
         lo = self.starts[a + 1]
-        return max(self.S[c] + (self.k - 1) * lo, self.k * lo)
+        return max(self.S[c] + self.fill * lo, (1 + self.fill) * lo)
 
     def probes(self, m: int) -> np.ndarray:
         """Up to about ``m`` windows to evaluate next, spread over the best gaps."""
@@ -137,8 +185,8 @@ class Search:
         if self.gaps == [(-1, w)]:
             return np.array([w - 1])  # the unlimited DP first: it bounds everything else
         lim = self.best - self.s_inf
-        cut = np.searchsorted(self.starts, lim / (self.k - 1)) if self.k > 1 else w
-        cut = min(cut, np.searchsorted(self.starts, self.best / self.k))
+        cut = np.searchsorted(self.starts, lim / self.fill) if self.fill > 0 else w
+        cut = min(cut, np.searchsorted(self.starts, self.best / (1 + self.fill)))
         self.gaps = [(a, c) for a, c in self.gaps if a + 1 < cut and self._bound(a, c) < self.best]
         self.gaps.sort(key=lambda g: self._bound(*g))
         per, out = max(1, m // max(1, len(self.gaps))), []
@@ -200,13 +248,14 @@ def prepare(
 
 
 def token_search(
-    ce: np.ndarray, bs: Sequence[int], n_stages: int, eps: float, granularity: int
+    ce: np.ndarray, bs: Sequence[int], fill: float, eps: float, granularity: int
 ) -> dict[int, TokenSlicing]:
-    """The t_max search of §3.3 for each batch-slice size in ``bs``, in shared sweeps."""
+    """The t_max search of §3.3 for each batch-slice size in ``bs``, in shared sweeps,
+    minimising S* + ``fill`` * t_max (:func:`fill_factor`)."""
     searches = {}
     for b, floor in zip(bs, bottleneck(ce, np.asarray(bs)), strict=True):
         starts, tops = windows(np.unique(ce[b][np.isfinite(ce[b])]), eps)
-        searches[b] = Search(starts[tops >= floor], tops[tops >= floor], n_stages)
+        searches[b] = Search(starts[tops >= floor], tops[tops >= floor], fill)
     found: dict[int, TokenSlicing] = {}
     while True:
         probes = {b: p for b, s in searches.items() if len(p := s.probes(PROBES))}
@@ -215,7 +264,7 @@ def token_search(
         rows_b = np.concatenate([np.full(len(p), b) for b, p in probes.items()])
         rows_t = np.concatenate([searches[b].tops[p] for b, p in probes.items()])
         S, M, back = run_dp(ce, rows_b, rows_t)
-        T = S + (n_stages - 1) * M
+        T = S + fill * M
         off = 0
         for b, p in probes.items():
             k = searches[b].report(p, S[off : off + len(p)], T[off : off + len(p)])
@@ -254,10 +303,12 @@ def token_dp(
     batch_slice_size: int = 1,
     granularity: int = 8,
     eps: float = 0.0,
+    n_chunks: int = 1,
 ) -> TokenSlicing:
     """The best token slicing of one batch slice of ``batch_slice_size`` sequences
-    (Eqs. 5-8)."""
+    (Eqs. 5-8; with ``n_chunks`` v > 1, Eq. 5 with (K - 1) / v, see the module
+    docstring)."""
     b = batch_slice_size
     check_batch_slice_size(cost, b)
     ce, _ = prepare(cost, seq_len, b, n_stages, granularity, eps, b)
-    return token_search(ce, [b], n_stages, eps, granularity)[b]
+    return token_search(ce, [b], fill_factor(n_stages, n_chunks), eps, granularity)[b]

@@ -3,7 +3,8 @@
 :func:`pipeline_latency` prices a plan (a :class:`~tplib.plan.Plan`, the paper's
 notation, or (batch size, token lengths) pairs) by the true fill-drain latency
 ``sum t + (K - 1) * max t`` over all its units, the yardstick every planner and baseline
-is compared on. :func:`uniform` cuts every batch slice into equal token slices (paper
+is compared on; with ``n_chunks`` v, by ``sum t + (K - 1) / v * max t``, the planner's
+objective for ``terapipe-interleaved`` (:mod:`tplib.planner.dp`). :func:`uniform` cuts every batch slice into equal token slices (paper
 Figure 6's baseline) and :func:`best_uniform` keeps the best number of them.
 """
 
@@ -15,15 +16,14 @@ import numpy as np
 
 from tplib.plan import Plan, grid_size
 from tplib.planner.cost_table import check_batch_slice_size, check_costs
+from tplib.planner.dp import fill_factor
 from tplib.sim.costs import SliceCostModel
 
 __all__ = ["best_uniform", "pipeline_latency", "uniform"]
 
 
-def _latency(t: np.ndarray, n_stages: int) -> float:
-    if n_stages < 1:
-        raise ValueError(f"n_stages K={n_stages}: a pipeline needs at least one stage")
-    return float(t.sum() + (n_stages - 1) * t.max())
+def _latency(t: np.ndarray, n_stages: int, n_chunks: int = 1) -> float:
+    return float(t.sum() + fill_factor(n_stages, n_chunks) * t.max())
 
 
 def _unit_times(p: Plan, cost: SliceCostModel) -> np.ndarray:
@@ -42,15 +42,17 @@ def pipeline_latency(
     plan_or_slices: Plan | str | Sequence[tuple[int, Sequence[int]]],
     cost: SliceCostModel,
     n_stages: int,
+    n_chunks: int = 1,
 ) -> float:
     """``sum t + (K - 1) * max t`` over all units of any plan (a Plan, the paper's notation,
-    or (batch size, token lengths) pairs): compares plans on the true fill-drain latency."""
+    or (batch size, token lengths) pairs): compares plans on the true fill-drain latency.
+    With ``n_chunks`` v: ``sum t + (K - 1) / v * max t``."""
     p = plan_or_slices
     if isinstance(p, str):
         p = Plan.from_paper(p)
     elif not isinstance(p, Plan):
         p = Plan(tuple(b for b, _ in p), tuple(tuple(ts) for _, ts in p))
-    return _latency(_unit_times(p, cost), n_stages)
+    return _latency(_unit_times(p, cost), n_stages, n_chunks)
 
 
 def uniform(

@@ -12,6 +12,15 @@ Two protocols, declared once with every member tplib reads:
   any slice cost model, :class:`~tplib.sim.simulate.SliceModelCosts`; those that also price
   the ``W`` actions of split backwards are :class:`SplitBackwardCosts`.
 
+Virtual stages. A schedule with ``v`` chunks per rank (:mod:`tplib.schedule.chunks`)
+cuts the model into ``v * K`` parts, and ``stage`` is then a rank holding ``v`` of them.
+:class:`PlacedCosts` price such a schedule once told where the parts sit
+(:meth:`PlacedCosts.placed`, which :func:`place` calls for the simulator): a chunk's
+forward, backward and ``W`` as its own layers, a send or receive as the link between the
+ranks of the neighbouring parts (the wrap from rank K-1 back to rank 0 too), the update
+as the rank's, over all its chunks. Between two chunks of one rank there is no action to
+price. :class:`Parts` answers the questions of where, for every cost model alike.
+
 Also here, written once for every cost model: :func:`memo`, the cache of per-unit costs,
 and :func:`ring_allreduce`, the time of a ring all-reduce.
 
@@ -26,6 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
+from tplib.schedule.actions import SENDS, Kind
+from tplib.schedule.chunks import Placement, check_placement, identity
+
 if TYPE_CHECKING:
     from tplib.plan import Plan
     from tplib.schedule import Action
@@ -33,9 +45,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ActionCosts",
     "Link",
+    "Parts",
+    "PlacedCosts",
     "SliceCostModel",
     "SplitBackwardCosts",
     "memo",
+    "place",
     "ring_allreduce",
     "unit_shape",
 ]
@@ -112,6 +127,92 @@ class SplitBackwardCosts(ActionCosts, Protocol):
         """A ``W`` on ``stage``: the weight gradients of its unit, or with
         ``action.whole_sequence`` of every token slice of its batch slice at once."""
         ...
+
+
+class PlacedCosts(ActionCosts, Protocol):
+    """:class:`ActionCosts` that can price a schedule with virtual stages."""
+
+    def placed(self, placement: Placement) -> ActionCosts:
+        """These costs for a schedule whose model parts sit on the ranks ``placement``
+        names (see the module docstring); the identity placement prices as ``self``."""
+        ...
+
+
+def place(costs: ActionCosts, placement: Placement) -> ActionCosts:
+    """``costs`` for a schedule of ``placement``: :meth:`PlacedCosts.placed` where the
+    costs have it; costs without it price one part per rank only, and a ValueError
+    names them for any other placement (they would price each chunk as a whole rank)."""
+    placed = getattr(costs, "placed", None)
+    if callable(placed):
+        result: ActionCosts = placed(tuple(placement))
+        return result
+    parts = Parts(tuple(placement))
+    if parts.n_chunks > 1:
+        raise ValueError(
+            f"{type(costs).__name__} cannot price a schedule with {parts.n_chunks} chunks "
+            "per rank: it has no placed(placement) (see tplib.sim.costs.PlacedCosts), so "
+            "it would price each chunk as the rank's whole stage"
+        )
+    return costs
+
+
+class Parts:
+    """Where a placement puts the model's parts, as a cost model asks it: the part of a
+    rank's chunk, the rank at the other end of a message, whether a chunk's input (or
+    its output's gradient) comes from another rank."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.n_stages = max(placement, default=-1) + 1
+        check_placement(placement, self.n_stages)
+        self.placement = tuple(placement)
+        self.n_chunks = len(placement) // self.n_stages
+        seen = [0] * self.n_stages
+        self._part: dict[tuple[int, int], int] = {}
+        for p, rank in enumerate(placement):
+            self._part[rank, seen[rank]] = p
+            seen[rank] += 1
+
+    @classmethod
+    def of_stages(cls, n_stages: int) -> Parts:
+        """One part per rank."""
+        return cls(identity(n_stages))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Parts) and other.placement == self.placement
+
+    def __hash__(self) -> int:
+        return hash(self.placement)
+
+    def __repr__(self) -> str:
+        return f"Parts({self.placement})"
+
+    def part(self, stage: int, chunk: int = 0) -> int:
+        """The part chunk ``chunk`` of rank ``stage`` holds."""
+        return self._part[stage, chunk]
+
+    def neighbour(self, stage: int, chunk: int, step: int) -> int | None:
+        """The rank holding the part ``step`` (+1, -1) from chunk ``chunk`` of rank
+        ``stage``; None past the model's ends."""
+        p = self._part[stage, chunk] + step
+        return self.placement[p] if 0 <= p < len(self.placement) else None
+
+    def receives(self, stage: int, action: Action) -> bool:
+        """Whether forward ``action``'s input (a backward's output gradient) arrives on
+        rank ``stage`` from another rank: not on the model's first (last) part, nor
+        after a hand-off between two chunks of one rank."""
+        step = -1 if action.kind is Kind.F else 1
+        peer = self.neighbour(stage, action.chunk, step)
+        return peer is not None and peer != stage
+
+    def link(self, stage: int, action: Action) -> tuple[int, int]:
+        """(source rank, destination rank) of send or receive ``action`` on rank
+        ``stage``: an activation goes to the holder of the next part, a gradient to that
+        of the previous one."""
+        toward = 1 if action.kind in (Kind.SA, Kind.RG) else -1
+        peer = self.neighbour(stage, action.chunk, toward)
+        if peer is None:
+            raise ValueError(f"{action} on stage {stage} has no peer past the model's end")
+        return (stage, peer) if action.kind in SENDS else (peer, stage)
 
 
 def unit_shape(plan: Plan, action: Action) -> tuple[int, int, int]:

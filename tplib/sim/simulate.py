@@ -21,18 +21,22 @@ the whole transfer, as when the send runs on the compute stream (the paper's NCC
 implementation); otherwise the sender goes on and the message lands ``transfer`` later.
 A zero-bubble schedule's ``W`` is priced by ``weight_grad``
 (:class:`~tplib.sim.costs.SplitBackwardCosts`), and each of its ``B`` as the backward less
-the weight gradients of the same unit.
+the weight gradients of the same unit and chunk. A schedule with virtual stages is priced
+by the costs placed on its placement (:func:`~tplib.sim.costs.place`): each chunk's work
+as its own layers, each message on the link between the ranks of the neighbouring parts.
 
 Output. :class:`SimResult` holds the latency, each stage's busy and idle time, the bubble
 fraction and the timeline as a DataFrame with the columns of the runtime's measured
-traces (:data:`TIMELINE_COLUMNS`), so :func:`tplib.tables.plots.plot_timeline` draws both.
+traces (:data:`TIMELINE_COLUMNS`, and the chunk each action runs on), so
+:func:`tplib.tables.plots.plot_timeline` draws both. With virtual stages a row's
+``stage`` is the rank.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -50,7 +54,16 @@ from tplib.schedule import (
     make_schedule,
     replay,
 )
-from tplib.sim.costs import ActionCosts, SliceCostModel, SplitBackwardCosts, memo, unit_shape
+from tplib.schedule.chunks import Placement, identity
+from tplib.sim.costs import (
+    ActionCosts,
+    Parts,
+    SliceCostModel,
+    SplitBackwardCosts,
+    memo,
+    place,
+    unit_shape,
+)
 
 __all__ = [
     "TIMELINE_COLUMNS",
@@ -63,14 +76,15 @@ __all__ = [
     "split_backward_costs",
 ]
 
-TIMELINE_COLUMNS = ("rank", "stage", "replica", "kind", "b", "t", "start", "end")
+TIMELINE_COLUMNS = ("rank", "stage", "replica", "kind", "b", "t", "chunk", "start", "end")
 
 
 @dataclass(frozen=True)
 class SliceModelCosts:
     """:class:`~tplib.sim.costs.ActionCosts` from a planner cost model (fwd+bwd per slice incl.
     its send/receive): the forward takes ``fwd_fraction`` of the slice time, the backward
-    the rest, communication is free (the slice time already holds it)."""
+    the rest, communication is free (the slice time already holds it). With ``n_chunks``
+    v chunks per stage (:meth:`placed`) a chunk's share is 1/v of the stage's."""
 
     model: SliceCostModel
     fwd_fraction: float = 1 / 3
@@ -78,8 +92,11 @@ class SliceModelCosts:
     t_optimizer: float = 0.0
     blocking_sends: bool = False
     wgrad_fraction: float = 1 / 3  # W's share of a slice: one of the backward's 2 products
+    n_chunks: int = 1
 
     def __post_init__(self) -> None:
+        if self.n_chunks < 1:
+            raise ValueError(f"n_chunks={self.n_chunks}: a stage holds at least one chunk")
         if not 0.0 <= self.fwd_fraction <= 1.0:
             raise ValueError(f"fwd_fraction={self.fwd_fraction} must lie in [0, 1]")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
@@ -95,7 +112,8 @@ class SliceModelCosts:
             )
         ts = covered_slices(plan, action.b, action.t)
         units = (Action(Kind.B, stage, action.b, t) for t in ts)
-        return sum(self.wgrad_fraction * self._slice_time(*unit_shape(plan, u)) for u in units)
+        whole = sum(self.wgrad_fraction * self._slice_time(*unit_shape(plan, u)) for u in units)
+        return whole / self.n_chunks
 
     @memo
     def _slice_time(self, size: int, length: int, context: int) -> float:
@@ -104,10 +122,14 @@ class SliceModelCosts:
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
         share = self.fwd_fraction if action.kind is Kind.F else 1.0 - self.fwd_fraction
-        return share * self._slice_time(*unit_shape(plan, action))
+        return share * self._slice_time(*unit_shape(plan, action)) / self.n_chunks
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return 0.0
+
+    def placed(self, placement: Placement) -> SliceModelCosts:
+        """A chunk of v: 1/v of the stage's slice time (the slice model prices a stage)."""
+        return replace(self, n_chunks=Parts(placement).n_chunks)
 
     def allreduce(self, stage: int) -> float:
         return self.t_allreduce
@@ -166,7 +188,7 @@ def action_cost(
         raise ValueError(f"the simulator cannot price {action.kind} actions: no cost for it")
     cost = float(_PRICE[action.kind](costs, k, action, plan))
     if split_backward and action.kind is Kind.B:
-        w = Action(Kind.W, k, action.b, action.t)
+        w = Action(Kind.W, k, action.b, action.t, chunk=action.chunk)
         cost -= float(split_backward_costs(costs, w).weight_grad(k, w, plan))
     if not 0.0 <= cost < math.inf:  # also catches NaN
         what = (
@@ -180,9 +202,11 @@ def action_cost(
 
 @dataclass(frozen=True, eq=False)
 class SimResult:
-    """What :func:`simulate` found. ``busy[k]`` counts the seconds stage k's GPU works
-    (compute, its own share of communication, all-reduce, optimizer); ``idle[k]`` is the
-    rest of the iteration; the bubble fraction is the idle share of all stage-seconds."""
+    """What :func:`simulate` found. ``busy[k]`` counts the seconds stage (rank) k's GPU
+    works (compute, its own share of communication, all-reduce, optimizer); ``idle[k]``
+    is the rest of the iteration; the bubble fraction is the idle share of all
+    stage-seconds. ``placement``: the rank of each model part (one per stage without
+    virtual stages)."""
 
     schedule: str
     plan: Plan
@@ -190,18 +214,30 @@ class SimResult:
     busy: np.ndarray
     idle: np.ndarray
     timeline: pd.DataFrame
+    placement: Placement = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", identity(len(self.busy)))
 
     @property
     def n_stages(self) -> int:
         return len(self.busy)
 
     @property
+    def n_chunks(self) -> int:
+        """v: the chunks (virtual stages) each stage held."""
+        return len(self.placement) // self.n_stages
+
+    @property
     def bubble_fraction(self) -> float:
         return float(self.idle.sum() / (self.n_stages * self.latency)) if self.latency else 0.0
 
     def __repr__(self) -> str:
+        chunks = f" x {self.n_chunks} chunks" if self.n_chunks > 1 else ""
         return (
-            f"SimResult({self.schedule} on {self.n_stages} stages, latency={self.latency:.4g} s, "
+            f"SimResult({self.schedule} on {self.n_stages} stages{chunks}, "
+            f"latency={self.latency:.4g} s, "
             f"bubble={self.bubble_fraction:.1%}, plan={self.plan})"
         )
 
@@ -209,22 +245,24 @@ class SimResult:
 def simulate(
     schedule: Schedule, costs: ActionCosts, *, blocking_sends: bool | None = None
 ) -> SimResult:
-    """Replay ``schedule`` under ``costs``. ``blocking_sends`` defaults to
-    ``costs.blocking_sends``. Raises :class:`~tplib.schedule.ScheduleError` if the
-    schedule deadlocks."""
+    """Replay ``schedule`` under ``costs`` (placed on its placement: see the module
+    docstring). ``blocking_sends`` defaults to ``costs.blocking_sends``. Raises
+    :class:`~tplib.schedule.ScheduleError` if the schedule deadlocks."""
+    costs = place(costs, schedule.placement)
     blocking = costs.blocking_sends if blocking_sends is None else blocking_sends
     plan, n = schedule.plan, schedule.n_stages
     split = schedule.split_backward
     # Keyed by id(): replay hands back the schedule's own Action objects, and hashing a
     # frozen dataclass per lookup was a third of the simulator's time on big schedules.
     own: dict[int, float] = {}  # the action's own seconds (compute, link, receive, update)
-    folded: dict[tuple[Kind, int, int, int], float] = {}  # blocking: send time on its compute
+    # Blocking: each send's time on the compute of the same unit and chunk it sends from.
+    folded: dict[tuple[Kind, int, int, int, int], float] = {}
     for k, acts in enumerate(schedule.actions):
         for a in acts:
             cost = action_cost(costs, a, plan, split_backward=split)
             own[id(a)] = cost
             if blocking and a.kind in SENDS:
-                served = (Kind.F if a.kind is Kind.SA else Kind.B, k, a.b, a.t)
+                served = (Kind.F if a.kind is Kind.SA else Kind.B, k, a.b, a.t, a.chunk)
                 folded[served] = folded.get(served, 0.0) + cost
     dur = dict(own)  # what replay sees
     if blocking:
@@ -232,32 +270,32 @@ def simulate(
             for a in acts:
                 if a.kind in SENDS:
                     dur[id(a)] = 0.0  # its transfer is charged to the compute it follows
-                elif (key := (a.kind, k, a.b, a.t)) in folded:
+                elif (key := (a.kind, k, a.b, a.t, a.chunk)) in folded:
                     dur[id(a)] += folded[key]
     timed = replay(schedule, lambda a: dur[id(a)])
 
-    rows: list[tuple[int, int, int, str, int, int, float, float]] = []
+    rows: list[tuple[int, int, int, str, int, int, int, float, float]] = []
     busy, clock = [0.0] * n, [0.0] * n  # lists: numpy scalar updates are slow here
     update = [0.0] * n  # each stage's AR + OPT seconds, counted as busy once, at the end
     for ta in timed:
         a, k = ta.action, ta.stage
         d = own[id(a)]
-        kind = a.kind.value
+        kind, c = a.kind.value, a.chunk
         if a.kind in WORK:
-            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.start + d))
+            rows.append((k, k, 0, kind, a.b, a.t, c, ta.start, ta.start + d))
             busy[k] += ta.end - ta.start
         elif a.kind in RECEIVES:
             # Draw the receive's own work only: the wait before it is idle time.
-            rows.append((k, k, 0, kind, a.b, a.t, ta.end - d, ta.end))
+            rows.append((k, k, 0, kind, a.b, a.t, c, ta.end - d, ta.end))
             busy[k] += d
         elif a.kind in UPDATE:
-            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.end))
+            rows.append((k, k, 0, kind, a.b, a.t, c, ta.start, ta.end))
             update[k] += d
         elif blocking:
             # It ran at the end of its compute action, which already counted it as busy.
-            rows.append((k, k, 0, kind, a.b, a.t, ta.start - d, ta.start))
+            rows.append((k, k, 0, kind, a.b, a.t, c, ta.start - d, ta.start))
         else:
-            rows.append((k, k, 0, kind, a.b, a.t, ta.start, ta.end))  # on the link only
+            rows.append((k, k, 0, kind, a.b, a.t, c, ta.start, ta.end))  # on the link only
         if a.kind not in SENDS:
             clock[k] = ta.end
     for k in range(n):
@@ -267,7 +305,9 @@ def simulate(
     timeline = pd.DataFrame.from_records(rows, columns=list(TIMELINE_COLUMNS))
     timeline = timeline.sort_values(["stage", "start", "end"], kind="stable", ignore_index=True)
     busy_s = np.array(busy)
-    return SimResult(schedule.name, plan, latency, busy_s, latency - busy_s, timeline)
+    return SimResult(
+        schedule.name, plan, latency, busy_s, latency - busy_s, timeline, schedule.placement
+    )
 
 
 def simulate_schedule(

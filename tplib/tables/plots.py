@@ -2,9 +2,9 @@
 figures (Figures 5, 6 and 7), with the paper's values beside ours.
 
 :func:`plot_timeline` takes a DataFrame with the trace columns of
-:data:`tplib.sim.simulate.TIMELINE_COLUMNS` (``rank, stage, replica, kind, b, t, start,
-end``) and draws one row per stage: forward and backward boxes coloured by batch slice
-(the forward light, the backward dark, as in the paper's Figure 2), sends and receives
+:data:`tplib.sim.simulate.TIMELINE_COLUMNS` (``rank, stage, replica, kind, b, t, chunk,
+start, end``) and draws one row per stage: forward and backward boxes coloured by batch
+slice (the forward light, the backward dark, as in the paper's Figure 2), sends and receives
 as thin bars under them, the data-parallel all-reduce and the optimizer step in grey.
 Gaps are the pipeline bubbles. With virtual stages (a ``chunk`` column, as the
 simulator's and the runtime's traces have), each chunk after the first is outlined and
@@ -76,7 +76,8 @@ def plot_timeline(
     if missing:
         raise ValueError(
             f"timeline lacks columns {sorted(missing)}: expected those of "
-            "tplib.sim.simulate.TIMELINE_COLUMNS (rank, stage, replica, kind, b, t, start, end)"
+            "tplib.sim.simulate.TIMELINE_COLUMNS (rank, stage, replica, kind, b, t, chunk, "
+            "start, end)"
         )
     if replica is not None and "replica" in df.columns:
         df = df[df["replica"] == replica]

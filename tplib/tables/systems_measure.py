@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 from tplib.measure.options import Profiling, grid
 from tplib.plan import Plan
 from tplib.schedule import Action, Kind, held_versions
-from tplib.sim.costs import ActionCosts
+from tplib.schedule.chunks import Placement
+from tplib.sim.costs import ActionCosts, place
 from tplib.sim.throughput import slope, steady_of, steady_window, update_ends
 from tplib.tables.base import Rows
 from tplib.tables.systems import SYSTEMS, check_systems, delay, infeasible, system_plan
@@ -53,7 +54,7 @@ BYTE_VOCAB = (("vocab_size", 256),)  # the stdlib corpus is bytes
 @dataclass(frozen=True)
 class RecomputeCosts:
     """``costs`` of a run with full recomputation: each backward runs its unit's forward
-    again first (the profiles are timed without recomputation)."""
+    again first, on the same chunk (the profiles are timed without recomputation)."""
 
     costs: ActionCosts
 
@@ -64,8 +65,12 @@ class RecomputeCosts:
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
         t = self.costs.compute(stage, action, plan)
         if action.kind is Kind.B:
-            t += self.costs.compute(stage, Action(Kind.F, stage, action.b, action.t), plan)
+            again = Action(Kind.F, stage, action.b, action.t, chunk=action.chunk)
+            t += self.costs.compute(stage, again, plan)
         return t
+
+    def placed(self, placement: Placement) -> RecomputeCosts:
+        return RecomputeCosts(place(self.costs, placement))
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
         return self.costs.transfer(stage, action, plan)
