@@ -12,6 +12,8 @@ module            what it holds
 ``nccl``          NCCL's rendezvous messages: the runtime's posting plan, its replay
 ``validate``      :func:`validate` and :func:`replay`
 ``drawing``       :func:`draw_schedule`, the stage x step drawing errors print
+``torchio``       torch.distributed.pipelining's action CSV: :func:`to_torch`,
+                  :func:`read_torch`, :func:`from_torch`
 ================  ===================================================================
 
 Plain Python: the runtime interprets these schedules, the simulator replays them with
@@ -48,6 +50,14 @@ from tplib.schedule.registry import (
     registered,
     schedule_names,
 )
+from tplib.schedule.torchio import (
+    TorchAction,
+    TorchOrder,
+    from_torch,
+    read_torch,
+    to_torch,
+    write_torch_csv,
+)
 from tplib.schedule.validate import replay, validate
 
 __all__ = [
@@ -68,10 +78,13 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "TimedAction",
+    "TorchAction",
+    "TorchOrder",
     "add_communication",
     "add_update",
     "covered_slices",
     "draw_schedule",
+    "from_torch",
     "gpipe",
     "held_versions",
     "link_of",
@@ -79,10 +92,13 @@ __all__ = [
     "one_f_one_b",
     "parse_kind",
     "pipedream",
+    "read_torch",
     "registered",
     "replay",
     "schedule_names",
     "terapipe",
+    "to_torch",
     "two_bw",
     "validate",
+    "write_torch_csv",
 ]
