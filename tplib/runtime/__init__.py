@@ -18,6 +18,8 @@ module            what it holds
 ``reference``     :func:`train_reference`, the single-device run every pipeline matches
 ``link``          :func:`measure_link`, a ping-pong between two local processes
 ``benchmark``     :func:`bench`, median iteration latency, runtime overhead, peak memory
+``torchorders``   torch.distributed.pipelining's own schedules, read from torch and priced
+``torchpipe``     a tplib schedule run by torch's pipeline runtime, on tplib's stages
 ================  ====================================================================
 
 This is the only place, with :mod:`tplib.runtime.torchrun`, where torch.distributed is
