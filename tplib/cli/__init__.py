@@ -16,6 +16,9 @@ command        what it does
 ``table``      one paper table in simulate or measure mode, without Jupyter
 ``reproduce``  every table notebook under papermill (resumable), then the summary; with
                ``--launcher slurm`` one SLURM array task per configuration
+``schedule``   schedules in torch.distributed.pipelining's action CSV: ``export`` a
+               registered one, ``import`` and check torch's, ``show`` either's grid and
+               simulated latency
 =============  ===========================================================================
 
 Each command is one small function from parsed arguments to an exit code, registered in
@@ -35,6 +38,7 @@ from collections.abc import Callable, Sequence
 from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.predict import plan_command, profile_command, simulate_command
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
+from tplib.cli.schedule import export_command, import_command, show_command
 from tplib.nn.configs import PRECISIONS
 from tplib.nn.lr import LR_SCHEDULES
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
@@ -310,6 +314,40 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=reproduce_command)
 
 
+def _add_schedule(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("schedule", help="schedules in torch.distributed.pipelining's CSV")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def shape(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--stages", type=COUNT, help="K: ranks (pipeline stages)")
+        q.add_argument("--chunks", type=COUNT, help="v: chunks per rank (virtual stages)")
+        q.add_argument("--microbatches", type=COUNT, help="M: microbatches of one sequence")
+        q.add_argument("--seq-len", type=COUNT, default=1, help="L of the plan (default 1)")
+
+    q = verbs.add_parser("export", help="a registered schedule as torch's CSV")
+    q.add_argument("name", help="a registered schedule, e.g. 1f1b, interleaved-1f1b, zbv")
+    shape(q)
+    q.add_argument("--format", choices=("compute_only", "compute_comms"), required=True)
+    q.add_argument("--out", required=True, help="the CSV to write")
+    q.set_defaults(func=export_command)
+
+    q = verbs.add_parser("import", help="read and check a torch CSV (either format)")
+    q.add_argument("file", help="torch's CSV: one row per rank")
+    q.add_argument("--seq-len", type=COUNT, default=1, help="L of each microbatch (default 1)")
+    q.add_argument("--name", help="the schedule's name (default: the file's)")
+    q.add_argument("--out", help="write it as tplib's schedule CSV here")
+    q.set_defaults(func=import_command)
+
+    q = verbs.add_parser("show", help="the grid and simulated latency of a schedule")
+    q.add_argument("name", help="a registered schedule, a torch class or a CSV file")
+    shape(q)
+    q.add_argument("--t-f", type=number(0), default=1.0, help="a stage's forward (default 1)")
+    q.add_argument("--t-b", type=number(0), default=2.0, help="its backward (default 2)")
+    q.add_argument("--t-w", type=number(0), default=1.0, help="W's part of --t-b (default 1)")
+    q.add_argument("--t-send", type=number(0), default=0.0, help="a message (default 0)")
+    q.set_defaults(func=show_command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tplib", description="TeraPipe kit: profile, plan, simulate and reproduce."
@@ -319,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_and_simulate(sub)
     _add_layouts(sub)
     _add_runs(sub)
+    _add_schedule(sub)
     return parser
 
 
