@@ -176,6 +176,28 @@ def test_timeline_legend_names_the_kinds_of_boxes(timeline: pd.DataFrame) -> Non
     _close(ax)
 
 
+def test_timeline_tells_chunks_apart() -> None:
+    """Under a V of virtual stages the second chunk's boxes are dotted and outlined, the
+    first's plain, and the legend names both."""
+    schedule = make_schedule("zbv", 2, Plan.gpipe(2, 8))
+    df = simulate(schedule, ConstantCosts()).timeline
+    assert set(df["chunk"]) == {0, 1}
+    ax = plot_timeline(df, show_comm=False)
+    hatches: dict[str | None, int] = {}
+    for coll in ax.collections:
+        hatches[coll.get_hatch()] = hatches.get(coll.get_hatch(), 0) + len(coll.get_paths())
+    per_chunk = df[df["kind"].isin(["F", "B"])].groupby("chunk").size()
+    assert hatches[".."] == per_chunk[1]  # every chunk-1 forward and backward, dotted
+    assert hatches["///"] == int((df["kind"] == "W").sum())
+    assert {"chunk 0", "chunk 1"} <= set(_legend_labels(ax))
+    _close(ax)
+    plain = plot_timeline(
+        simulate(make_schedule("1f1b", 2, Plan.gpipe(2, 8)), ConstantCosts()).timeline
+    )
+    assert "chunk 0" not in _legend_labels(plain)  # one chunk per stage: nothing to tell
+    _close(plain)
+
+
 def test_timeline_selects_a_replica(timeline: pd.DataFrame) -> None:
     latency = float(timeline.end.max())
     # Replica 1 runs twice as slow and later: its own times start at 5 s.
