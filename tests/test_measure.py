@@ -103,6 +103,25 @@ def test_local_costs_drive_the_simulator(profiles: list[Profile], link: Link) ->
     assert costs.optimizer(0) == profiles[0].optimizer_time
 
 
+def test_local_costs_give_a_chunk_half_a_stage(profiles: list[Profile], link: Link) -> None:
+    """Interleaved over two chunks: each chunk's forward and backward take half the
+    stage's profiled slice time; the wrap from stage 1 back to stage 0 is the link."""
+    costs = local_costs(profiles, link)
+    p = Plan.uniform(2, 64, n_token_slices=4)
+    sim = simulate(make_schedule("terapipe-interleaved", 2, p, n_chunks=2), costs)
+    tl = sim.timeline[(sim.timeline.stage == 1) & (sim.timeline.b == 0) & (sim.timeline.t == 2)]
+    for chunk in (0, 1):
+        fb = tl[tl.kind.isin(["F", "B"]) & (tl.chunk == chunk)]
+        assert float((fb.end - fb.start).sum()) == pytest.approx(
+            float(profiles[1].compute_time(1, np.array([16]), np.array([32]))[0]) / 2
+        )
+    wrap = tl[(tl.kind == "SA") & (tl.chunk == 0)]
+    assert float((wrap.end - wrap.start).iloc[0]) == pytest.approx(link.time(16 * 32 * 4))
+    assert sim.n_chunks == 2 and costs.n_chunks == 1  # placed on a copy
+    with pytest.raises(ValueError, match="profiles of 2"):
+        costs.placed((0, 1, 2))
+
+
 def test_local_costs_price_split_backwards(profiles: list[Profile], link: Link) -> None:
     """terapipe-zb: B + W of a unit is the unit's measured backward; a whole sequence's W
     is the measured weight-gradient share of the whole-sequence slice time."""

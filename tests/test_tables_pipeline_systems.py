@@ -17,12 +17,15 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
+from tplib.cluster import ClusterCostModel
+from tplib.paper import setting
 from tplib.plan import Plan
 from tplib.schedule import make_schedule
+from tplib.sim.simulate import simulate
 from tplib.tables import TIMING_COLUMNS, Rows, run_table
 from tplib.tables.base import TableResult
 from tplib.tables.pipeline_systems import TABLE, save_tables, simulated_systems
-from tplib.tables.systems import SYSTEMS, delay, infeasible, system_plan
+from tplib.tables.systems import MEASURED, SYSTEMS, delay, infeasible, system_plan
 from tplib.tables.systems_figures import simulated_findings, systems_figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +37,19 @@ def test_each_system_runs_its_plan() -> None:
     assert plans["GPipe"] == plans["PipeDream-2BW"] == Plan((1,) * 4, ((64,),) * 4)
     assert plans["PipeDream"] == Plan((4,), ((64,),))  # the whole batch, one batch slice
     assert plans["TeraPipe+2BW"] is tera and plans["TeraPipe+1F1B"] is tera
+    assert plans["TeraPipe+interleaved"] is tera and plans["TeraPipe+ZB-V"] is tera
+    assert plans["Interleaved 1F1B"] == plans["ZB-V"] == plans["GPipe"]
     assert SYSTEMS["GPipe+recompute"].recompute == "full"
-    assert {s.schedule for s in SYSTEMS.values()} == {
-        "gpipe",
-        "pipedream",
-        "1f1b",
-        "2bw",
-        "terapipe",
+    assert {s.schedule: s.n_chunks for s in SYSTEMS.values()} == {
+        "gpipe": 1,
+        "pipedream": 1,
+        "1f1b": 1,
+        "2bw": 1,
+        "terapipe": 1,
+        "interleaved-1f1b": 2,
+        "terapipe-interleaved": 2,
+        "zbv": 2,
+        "terapipe-zbv": 2,
     }
 
 
@@ -50,6 +59,19 @@ def test_delay_is_the_staleness_of_each_schedule() -> None:
     assert delay(make_schedule("2bw", 2, four, n_iterations=3)) == 1  # W(t-1)
     # PipeDream on K = 4: stage 0 runs minibatch t on the weights after t - 3 updates.
     assert delay(make_schedule("pipedream", 4, one, n_iterations=8)) == 3
+
+
+def test_virtual_stages_need_layers_to_cut_and_units_to_interleave() -> None:
+    # Setting 9: one layer per stage cannot be cut into two chunks.
+    why = infeasible(SYSTEMS["ZB-V"], 96, Plan.gpipe(2, 2048), layers_per_stage=1)
+    assert why == "2 chunks per stage need layers per stage divisible by 2: a stage has 1"
+    assert infeasible(SYSTEMS["ZB-V"], 48, Plan.gpipe(8, 2048), layers_per_stage=2) == ""
+    # Interleaving walks the units in groups of K: 8 sequences are too few for 48 stages.
+    why = infeasible(SYSTEMS["Interleaved 1F1B"], 48, Plan.gpipe(8, 2048), layers_per_stage=2)
+    assert "needs >= 48 units per iteration" in why and "this plan has 8" in why
+    sliced = Plan.uniform(8, 2048, n_token_slices=7)
+    assert infeasible(SYSTEMS["TeraPipe+interleaved"], 48, sliced, layers_per_stage=2) == ""
+    assert "ZB-V" not in MEASURED and "TeraPipe" in MEASURED  # measure mode: one chunk
 
 
 def test_two_bw_without_enough_microbatches_cannot_run() -> None:
@@ -101,6 +123,14 @@ def test_rows_of_setting_8(setting8: pd.DataFrame) -> None:
     two, one = rows["TeraPipe+2BW"], rows["TeraPipe+1F1B"]
     assert two["feasible"] and (two["weight_versions"], two["delay"]) == (2, 1)
     assert two["throughput"] > one["throughput"] and two["bubble"] < one["bubble"]
+    # Virtual stages, two chunks of one layer each: on 48 single-node stages every chunk
+    # doubles the messages between nodes, and ZB-V cannot fill 48 stages with 8 units.
+    assert rows["Interleaved 1F1B"]["feasible"] is False
+    for name in ("ZB-V", "TeraPipe+ZB-V", "TeraPipe+interleaved"):
+        row = rows[name]
+        assert row["feasible"] and row["n_chunks"] == 2
+        assert (row["weight_versions"], row["delay"]) == (1, 0)
+    assert rows["TeraPipe+ZB-V"]["throughput"] > rows["ZB-V"]["throughput"]
     # Recomputation: less memory, slower.
     gp, rc = rows["GPipe"], rows["GPipe+recompute"]
     assert rc["memory_gib"] < gp["memory_gib"] and rc["throughput"] < gp["throughput"]
@@ -108,6 +138,17 @@ def test_rows_of_setting_8(setting8: pd.DataFrame) -> None:
         assert (rows[name]["weight_versions"], rows[name]["delay"]) == (1, 0)
     # Sequences per second count all #Data replicas: B = 8 here, one pipeline.
     assert gp["throughput"] * gp["iteration_time"] == pytest.approx(8)
+
+
+def test_chunked_rows_simulate_their_schedules(setting8: pd.DataFrame) -> None:
+    """A V-shape row is zbv with two chunks on the cluster model of setting 8, flushed
+    every iteration: its time is the schedule's simulated latency."""
+    s = setting(8)
+    zbv = simulate(make_schedule("zbv", 48, s.gpipe_plan()), ClusterCostModel.for_setting(s))
+    assert zbv.n_chunks == 2
+    row = _by_system(setting8)["ZB-V"]
+    assert row["iteration_time"] == pytest.approx(zbv.latency, rel=1e-12)
+    assert row["bubble"] == pytest.approx(zbv.bubble_fraction, rel=1e-9)
 
 
 def test_setting_8_equals_the_committed_table(setting8: pd.DataFrame) -> None:

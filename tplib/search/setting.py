@@ -6,6 +6,12 @@ planner's joint batch x token plan (:func:`tplib.planner.plan`) on
 by :func:`tplib.sim.simulate.simulate`, so the planner's own latency estimate only chooses
 the plan.
 
+Beyond the paper, :func:`simulate_virtual` runs a setting with virtual stages (v chunks
+per stage, v dividing its N / K layers): Megatron's interleaved 1F1B on GPipe's
+microbatches, a modern baseline, and TeraPipe's token slices interleaved
+(``terapipe-interleaved``) or breadth-first (``terapipe-bfs``), planned for the
+objective sum t + (K - 1) / v max t (:mod:`tplib.planner.dp`), each at its best v.
+
 TFLOPS per GPU follow the paper's own formula (it reproduces the paper's TFLOPS column
 to 0.2% from its latencies; see :func:`paper_flops`): the model FLOPs of ONE pipeline's
 batch (B / #Data sequences) divided by the latency and by ALL #GPUs, which undercounts
@@ -22,18 +28,23 @@ from typing import Literal, cast
 import pandas as pd
 
 from tplib.cluster import CALIBRATION, FIT_STAGES, Calibration, ClusterCostModel
+from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.paper import TERAPIPE, PaperResult, Setting, main_row, seqlen_row, setting
 from tplib.plan import Plan
 from tplib.planner import pipeline_latency, plan_slices
 from tplib.planner.zero_bubble import plan_zero_bubble
+from tplib.schedule import make_schedule
+from tplib.schedule.chunks import interleaved
 from tplib.sim.costs import SliceCostModel
-from tplib.sim.simulate import SimResult, simulate_schedule
+from tplib.sim.simulate import SimResult, simulate, simulate_schedule
 
 __all__ = [
     "EPS",
     "GRANULARITY",
+    "VIRTUAL",
     "Method",
     "beside_paper",
+    "chunk_choices",
     "compare_joint_methods",
     "cost_model",
     "paper_flops",
@@ -42,6 +53,7 @@ __all__ = [
     "setting_fields",
     "simulate_on_cluster",
     "simulate_setting",
+    "simulate_virtual",
     "tflops_per_gpu",
 ]
 
@@ -94,17 +106,23 @@ def plan_terapipe(
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
     cost: SliceCostModel | None = None,
+    n_chunks: int = 1,
 ) -> Plan:
     """The DP planner's joint batch x token plan for setting ``s`` on the cluster model,
-    or on ``cost`` (e.g. a profile measured on the GPUs at hand)."""
+    or on ``cost`` (e.g. a profile measured on the GPUs at hand); with ``n_chunks`` v,
+    for the token slices interleaved over v chunks per stage (the cluster model of the
+    interleaved placement by default)."""
+    if cost is None:
+        cost = cost_model(s, calibration).placed(interleaved(s.n_stages, n_chunks))
     return plan_slices(
-        cost or cost_model(s, calibration),
+        cost,
         seq_len=s.seq_len,
         batch=s.pipeline_batch,
         n_stages=s.n_stages,
         granularity=GRANULARITY,
         eps=eps,
         method=method,
+        n_chunks=n_chunks,
     )
 
 
@@ -166,6 +184,65 @@ def simulate_setting(
         ).latency,
         "gpipe_row": "fit" if fitted else "held out",
     }
+
+
+# The schedules with virtual stages a setting is simulated with (simulate_virtual), and
+# what each runs with one chunk per stage: 1F1B, and TeraPipe's own fill-drain.
+VIRTUAL = {"interleaved-1f1b": "1f1b", "terapipe-interleaved": "1f1b", "terapipe-bfs": "terapipe"}
+
+
+def chunk_choices(s: Setting) -> tuple[int, ...]:
+    """Every v that divides setting ``s``'s N / K layers per stage (each of the vK parts
+    gets as many layers), 1 first."""
+    n = s.layers_per_stage
+    return tuple(v for v in range(1, n + 1) if n % v == 0)
+
+
+def simulate_virtual(
+    s: Setting,
+    terapipe: Plan | None = None,
+    *,
+    method: Method = "exact",
+    eps: float = EPS,
+    calibration: Calibration = CALIBRATION,
+) -> dict[str, object]:
+    """Setting ``s`` with virtual stages (see the module docstring): for each schedule of
+    :data:`VIRTUAL`, the v of least simulated latency among :func:`chunk_choices`, its
+    latency, the busiest GPU's memory and, for the token-sliced ones, the plan (the DP's
+    for (K - 1) / v; ``terapipe``, TeraPipe's own, when v = 1). ``note_<schedule>`` says
+    which v could not run: interleaving needs as many units per iteration as stages
+    (Megatron's rule). Columns are named by schedule, with ``-`` as ``_``."""
+    plans = {1: terapipe or plan_terapipe(s, method=method, eps=eps, calibration=calibration)}
+    best: dict[str, tuple[float, int, Plan, float]] = {}
+    notes: dict[str, list[str]] = {name: [] for name in VIRTUAL}
+    for v in chunk_choices(s):
+        cost = cost_model(s, calibration).placed(interleaved(s.n_stages, v))
+        if v not in plans:
+            plans[v] = plan_terapipe(s, method=method, eps=eps, calibration=calibration, n_chunks=v)
+        for name, one in VIRTUAL.items():
+            plan = s.gpipe_plan() if name == "interleaved-1f1b" else plans[v]
+            if v > 1 and name != "terapipe-bfs" and plan.n_units < s.n_stages:
+                notes[name].append(
+                    f"v={v} needs >= {s.n_stages} units per iteration, the plan has {plan.n_units}"
+                )
+                continue
+            schedule = make_schedule(
+                name if v > 1 else one, s.n_stages, plan, n_chunks=v, validate=False
+            )
+            latency = simulate(schedule, cost).latency
+            if name not in best or latency < best[name][0]:
+                memory, _ = schedule_memory_per_gpu(
+                    s.config, schedule, n_op=s.n_op, calibration=calibration
+                )
+                best[name] = (latency, v, plan, memory.total / 2**30)
+    row: dict[str, object] = {}
+    for name, (latency, v, plan, gib) in best.items():
+        key = name.replace("-", "_")
+        row |= {f"latency_{key}": latency, f"v_{key}": v, f"memory_gib_{key}": gib}
+        if name != "interleaved-1f1b":
+            row[f"plan_{key}"] = plan.to_paper()
+        row[f"note_{key}"] = "; ".join(notes[name])
+    return row
 
 
 def setting_fields(s: Setting) -> dict[str, object]:

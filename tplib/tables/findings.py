@@ -20,6 +20,7 @@ __all__ = [
     "fidelity_extras",
     "measured",
     "speedup_targets",
+    "virtual_baselines",
 ]
 
 SPEEDUP_TOLERANCE = 0.15  # predicted speedup within +-15% of the paper's
@@ -100,13 +101,81 @@ def speedup_targets(df: pd.DataFrame, key: str) -> str:
 def fidelity_extras(df: pd.DataFrame, key: str) -> dict[str, pd.DataFrame]:
     """The tables a simulated results notebook shows beside its main one (kept narrow
     enough for a notebook panel): the plans, the paper's own plans on our cluster model,
-    and throughput with the zero-bubble schedules beyond the paper."""
+    throughput with the zero-bubble schedules beyond the paper, and (where the rows have
+    them) the virtual-stage schedules beyond it."""
     beyond = [c for c in _BEYOND_COLUMNS if c in df.columns]
-    return {
+    extras = {
         "our plans beside the paper's": df[[key, "plan", "paper_plan"]],
         "the paper's own plans on our cluster model": df[[key, *_PAPER_PLAN_COLUMNS]],
         "throughput, and zero-bubble schedules beyond the paper": df[[key, *beyond]],
     }
+    if "speedup_over_interleaved" in df.columns:
+        extras[_VIRTUAL_TITLE] = df[[key, *_VIRTUAL_COLUMNS]]
+    return extras
+
+
+_VIRTUAL_TITLE = "interleaved 1F1B and TeraPipe over virtual stages, beyond the paper"
+_VIRTUAL_COLUMNS = (
+    "latency_gpipe",
+    "latency_interleaved_1f1b",
+    "v_interleaved_1f1b",
+    "latency_terapipe",
+    "speedup",
+    "speedup_over_interleaved",
+    "latency_terapipe_interleaved",
+    "v_terapipe_interleaved",
+    "speedup_terapipe_interleaved",
+    "latency_terapipe_bfs",
+    "v_terapipe_bfs",
+    "speedup_terapipe_bfs",
+    "note_interleaved_1f1b",
+    "note_terapipe_interleaved",
+)
+
+
+def virtual_baselines(df: pd.DataFrame) -> str:
+    """Beyond the paper: TeraPipe's speedup over interleaved 1F1B at its best v beside its
+    speedup over GPipe, where interleaving pays, and TeraPipe's own slices over virtual
+    stages against TeraPipe."""
+    if "speedup_over_interleaved" not in df.columns:
+        return ""
+    over, gp = df.speedup_over_interleaved, df.speedup
+    lines = [
+        f"- TeraPipe over interleaved 1F1B (best v): {over.min():.2f}x to {over.max():.2f}x "
+        f"(over GPipe: {gp.min():.2f}x to {gp.max():.2f}x)."
+    ]
+    chunked = df[df.v_interleaved_1f1b > 1]
+    where = ", ".join(f"{r.setting} (v={r.v_interleaved_1f1b})" for r in chunked.itertuples())
+    lines.append(
+        f"  - interleaving (v > 1) was interleaved 1F1B's best in settings {where}; elsewhere "
+        "v = 1, plain 1F1B."
+        if len(chunked)
+        else "  - v = 1, plain 1F1B, was interleaved 1F1B's best in every setting."
+    )
+    refused = df[df.note_interleaved_1f1b.fillna("") != ""]
+    if len(refused):
+        lines.append(
+            "  - v > 1 could not run for want of microbatches (Megatron's rule: as many as "
+            f"stages) in settings {', '.join(str(n) for n in refused.setting)}."
+        )
+    for name, label in (("terapipe_bfs", "breadth-first"), ("terapipe_interleaved", "interleaved")):
+        gain = df.latency_terapipe / df[f"latency_{name}"]
+        better = df[(gain > 1) & (df[f"v_{name}"] > 1)]
+        lines.append(
+            f"- TeraPipe's slices {label} over v > 1 chunks beat TeraPipe in "
+            f"{len(better)} of {len(df)} settings"
+            + (
+                ": "
+                + ", ".join(
+                    f"{r.setting} (v={getattr(r, f'v_{name}')}, {g:.2f}x)"
+                    for r, g in zip(better.itertuples(), gain[better.index], strict=True)
+                )
+                if len(better)
+                else ""
+            )
+            + "."
+        )
+    return "\n".join(lines)
 
 
 def ablation_targets(df: pd.DataFrame) -> str:

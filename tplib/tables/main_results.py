@@ -2,7 +2,9 @@
 
 ``simulate``: every setting of Table 1 on the V100-cluster model, GPipe (microbatches of
 one sequence) against TeraPipe (the joint batch x token DP plan), beside the paper's
-measurements. ``measure``: the same comparison at CPU scale on real local processes (K = 2
+measurements; and, beyond the paper, a modern baseline, Megatron's interleaved 1F1B on the
+same microbatches, with TeraPipe's slices interleaved or breadth-first over virtual
+stages too, each at its best v (:func:`~tplib.search.setting.simulate_virtual`). ``measure``: the same comparison at CPU scale on real local processes (K = 2
 stages, B = 1, 2, 4), the DP planning on stage profiles measured here and each
 configuration timed beside the simulator's prediction from the same profiles.
 """
@@ -10,19 +12,21 @@ configuration timed beside the simulator's prediction from the same profiles.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pandas as pd
 from tqdm.auto import tqdm
 
 from tplib.cluster import CALIBRATION, Calibration
 from tplib.measure import TABLE_MODEL, Profiling, grid
-from tplib.paper import GPIPE, TERAPIPE, main_row
+from tplib.paper import GPIPE, TERAPIPE, main_row, setting
+from tplib.plan import Plan
 from tplib.search.setting import (
     EPS,
     Method,
     beside_paper,
     simulate_setting,
+    simulate_virtual,
 )
 from tplib.tables import findings, plots
 from tplib.tables.base import Comparison, Rows, Table, TableMode
@@ -41,12 +45,30 @@ def simulate(
     calibration: Calibration = CALIBRATION,
 ) -> Rows:
     """Every setting ``(n)`` in ``settings`` without and with TeraPipe, simulated, beside
-    the paper; the paper's own plans on our cluster model as an extra table."""
+    the paper; the paper's own plans on our cluster model as an extra table. The columns
+    after the paper's are beyond it: interleaved 1F1B and TeraPipe with virtual stages
+    (:func:`~tplib.search.setting.simulate_virtual`), and TeraPipe's speedup over
+    interleaved 1F1B (``speedup_over_interleaved``) beside its speedup over GPipe."""
     settings = list(settings)
     rows = []
     for n in settings:
         r = simulate_setting(n, method=method, eps=eps, calibration=calibration)
-        rows.append(beside_paper(r, main_row(n, GPIPE), main_row(n, TERAPIPE)))
+        row = beside_paper(r, main_row(n, GPIPE), main_row(n, TERAPIPE))
+        plan = Plan.from_paper(str(r["plan"]))
+        virtual = simulate_virtual(
+            setting(n), plan, method=method, eps=eps, calibration=calibration
+        )
+        t = {k: cast(float, x) for k, x in (r | virtual).items() if k.startswith("latency_")}
+        rows.append(
+            row
+            | virtual
+            | {
+                "speedup_over_interleaved": t["latency_interleaved_1f1b"] / t["latency_terapipe"],
+                "speedup_terapipe_interleaved": t["latency_gpipe"]
+                / t["latency_terapipe_interleaved"],
+                "speedup_terapipe_bfs": t["latency_gpipe"] / t["latency_terapipe_bfs"],
+            }
+        )
     df = pd.DataFrame(rows)
     return Rows(df, findings.fidelity_extras(df, "setting"))
 
@@ -102,9 +124,12 @@ TABLE = Table(
         "simulate": TableMode(
             simulate,
             figure=lambda rows: plots.main_results_figure(rows.df, findings.SPEEDUP_TOLERANCE),
-            findings=lambda df: findings.speedup_targets(df, "setting"),
-            columns="setting model latency_gpipe paper_latency_gpipe latency_terapipe "
-            "paper_latency_terapipe speedup paper_speedup err_speedup",
+            findings=lambda df: "\n".join(
+                (findings.speedup_targets(df, "setting"), findings.virtual_baselines(df))
+            ),
+            columns="setting model latency_gpipe paper_latency_gpipe latency_interleaved_1f1b "
+            "v_interleaved_1f1b latency_terapipe paper_latency_terapipe speedup paper_speedup "
+            "err_speedup speedup_over_interleaved",
             compare=Comparison(("setting",), "speedup", "paper_speedup", ("model",)),
         ),
         "measure": TableMode(

@@ -1,5 +1,6 @@
 """Pipeline systems side by side: GPipe, PipeDream, PipeDream-Flush, PipeDream-2BW and
-TeraPipe, and TeraPipe's token slices under the 1F1B and 2BW schedules.
+TeraPipe, TeraPipe's token slices under the 1F1B and 2BW schedules, and the virtual-stage
+schedules (interleaved 1F1B, ZB-V) with and without TeraPipe's slices.
 
 Every system trains one pipeline's batch, B / #Data sequences of L tokens, per
 iteration, and updates the weights once per iteration; they differ in how the batch is
@@ -19,6 +20,23 @@ TeraPipe           terapipe   the DP's batch x token plan                 none
 TeraPipe+1F1B      1f1b       the DP's batch x token plan                 none
 TeraPipe+2BW       2bw        the DP's batch x token plan                 none
 =================  =========  ==========================================  =========
+
+With virtual stages, two chunks per stage (the model cut into 2K parts):
+
+====================  ====================  =================================  ==========
+system                schedule              plan (one iteration)               placement
+====================  ====================  =================================  ==========
+Interleaved 1F1B      interleaved-1f1b      microbatches of one sequence       interleaved
+TeraPipe+interleaved  terapipe-interleaved  the DP's batch x token plan        interleaved
+ZB-V                  zbv                   microbatches of one sequence       V
+TeraPipe+ZB-V         terapipe-zbv          the DP's batch x token plan        V
+====================  ====================  =================================  ==========
+
+They need stages of an even number of layers (settings with one layer per stage cannot
+run them), and interleaving needs as many units per iteration as stages. The token-sliced
+rows run the DP's plan for TeraPipe, as TeraPipe+1F1B does, not one planned for the
+chunks; the memory of ZB-V's rows counts the activations in flight between F and B but
+not the inputs and output gradients a split backward keeps until its W.
 
 PipeDream's minibatch. PipeDream updates after every minibatch, so the minibatch is
 the batch an update sees. We make it the whole pipeline batch, one batch slice: each
@@ -64,7 +82,15 @@ from tplib.search.setting import EPS, paper_flops, plan_terapipe, setting_fields
 from tplib.sim.simulate import simulate as simulate_schedule
 from tplib.sim.throughput import steady_of, steady_window
 from tplib.tables.base import Comparison, Rows, Table, TableMode, TableResult
-from tplib.tables.systems import SYSTEMS, System, check_systems, delay, infeasible, system_plan
+from tplib.tables.systems import (
+    MEASURED,
+    SYSTEMS,
+    System,
+    check_systems,
+    delay,
+    infeasible,
+    system_plan,
+)
 from tplib.tables.systems_figures import (
     measured_figure,
     measured_findings,
@@ -99,9 +125,10 @@ def simulate_system(
         "system": system.name,
         "schedule": system.schedule,
         "recompute": system.recompute,
+        "n_chunks": system.n_chunks,
         "plan": plan.to_paper(),
     }
-    why = infeasible(system, s.n_stages, plan)
+    why = infeasible(system, s.n_stages, plan, s.layers_per_stage)
     if why:
         return row | {"feasible": False, "note": why}
     cost = _cost(s, system.recompute, calibration)
@@ -109,7 +136,12 @@ def simulate_system(
     if system.asynchronous:
         n_iterations, a, b = steady_window(s.n_stages, plan, window)
     schedule = make_schedule(
-        system.schedule, s.n_stages, plan, n_iterations=n_iterations, validate=False
+        system.schedule,
+        s.n_stages,
+        plan,
+        n_iterations=n_iterations,
+        n_chunks=system.n_chunks,
+        validate=False,
     )
     window_ab = None if n_iterations == 1 else (a, b)
     steady = steady_of(schedule, simulate_schedule(schedule, cost), window_ab, cost.blocking_sends)
@@ -189,7 +221,7 @@ def simulate(
 
 
 def measure(
-    systems: Sequence[str] = tuple(SYSTEMS),
+    systems: Sequence[str] = MEASURED,
     *,
     model: str = TABLE_MODEL[0],
     model_overrides: Overrides = TABLE_MODEL[1],

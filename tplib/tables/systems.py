@@ -16,19 +16,31 @@ from tplib.plan import Plan
 from tplib.schedule import NO_VERSION, Kind, Schedule, registered
 from tplib.schedule.asynchronous import min_microbatches
 
-__all__ = ["SYSTEMS", "System", "check_systems", "delay", "infeasible", "system_plan"]
+__all__ = [
+    "MEASURED",
+    "SYSTEMS",
+    "System",
+    "check_systems",
+    "delay",
+    "infeasible",
+    "system_plan",
+]
+
+# Schedules whose order walks the units in groups of K through the chunks.
+_GROUPS_OF_K = frozenset({"interleaved-1f1b", "terapipe-interleaved"})
 
 
 @dataclass(frozen=True)
 class System:
     """A pipeline system: a schedule, the plan it runs (``"microbatches"`` of one
-    sequence, the ``"minibatch"`` as one batch slice, or the ``"terapipe"`` DP plan)
-    and the recomputation."""
+    sequence, the ``"minibatch"`` as one batch slice, or the ``"terapipe"`` DP plan),
+    the recomputation and the chunks (virtual stages) per stage."""
 
     name: str
     schedule: str
     plan: str
     recompute: str = "none"
+    n_chunks: int = 1
 
     @property
     def asynchronous(self) -> bool:
@@ -47,8 +59,17 @@ SYSTEMS: dict[str, System] = {
         System("TeraPipe", "terapipe", "terapipe"),
         System("TeraPipe+1F1B", "1f1b", "terapipe"),
         System("TeraPipe+2BW", "2bw", "terapipe"),
+        System("Interleaved 1F1B", "interleaved-1f1b", "microbatches", n_chunks=2),
+        System("TeraPipe+interleaved", "terapipe-interleaved", "terapipe", n_chunks=2),
+        System("ZB-V", "zbv", "microbatches", n_chunks=2),
+        System("TeraPipe+ZB-V", "terapipe-zbv", "terapipe", n_chunks=2),
     )
 }
+
+
+# What measure mode runs unless asked for more: the systems of one chunk per stage, since
+# the shared-cores simulation beside each run (tplib.measure.shared) prices no chunks yet.
+MEASURED = tuple(name for name, system in SYSTEMS.items() if system.n_chunks == 1)
 
 
 def check_systems(systems: Iterable[str]) -> None:
@@ -80,8 +101,22 @@ def delay(schedule: Schedule) -> int:
     return max(lags, default=0)
 
 
-def infeasible(system: System, n_stages: int, plan: Plan) -> str:
-    """Why ``system`` cannot run ``plan`` on ``n_stages`` stages ("" when it can)."""
+def infeasible(
+    system: System, n_stages: int, plan: Plan, layers_per_stage: int | None = None
+) -> str:
+    """Why ``system`` cannot run ``plan`` on ``n_stages`` stages of ``layers_per_stage``
+    layers (None: not checked) ("" when it can)."""
+    v = system.n_chunks
+    if v > 1 and layers_per_stage is not None and layers_per_stage % v:
+        return (
+            f"{v} chunks per stage need layers per stage divisible by {v}: a stage has "
+            f"{layers_per_stage}"
+        )
+    if system.schedule in _GROUPS_OF_K and v > 1 and plan.n_units < n_stages:
+        return (
+            f"interleaving needs >= {n_stages} units per iteration on {n_stages} stages "
+            f"(Megatron's rule); this plan has {plan.n_units}"
+        )
     if system.schedule != "2bw":
         return ""
     need = min_microbatches(n_stages, plan.token_slices[0])

@@ -39,7 +39,14 @@ from tplib.schedule.chunks import Placement
 from tplib.sim.costs import ActionCosts, place
 from tplib.sim.throughput import slope, steady_of, steady_window, update_ends
 from tplib.tables.base import Rows
-from tplib.tables.systems import SYSTEMS, check_systems, delay, infeasible, system_plan
+from tplib.tables.systems import (
+    MEASURED,
+    SYSTEMS,
+    check_systems,
+    delay,
+    infeasible,
+    system_plan,
+)
 
 if TYPE_CHECKING:
     from tplib.runtime import LocalPool
@@ -83,7 +90,7 @@ class RecomputeCosts:
 
 
 def measured_systems(
-    systems: Sequence[str] = tuple(SYSTEMS),
+    systems: Sequence[str] = MEASURED,
     *,
     model: str = "tiny",
     model_overrides: Overrides = (),
@@ -104,7 +111,7 @@ def measured_systems(
     an asynchronous one as many as its steady-state window needs (at least ``iters``
     wide)."""
     from tplib.measure.harness import measured_bench  # starts processes: torch
-    from tplib.runtime import Optim, Timing
+    from tplib.runtime import Optim, Parallelism, Timing
 
     check_systems(systems)
     tera = Plan.uniform(batch, seq_len, n_token_slices=n_slices)
@@ -139,6 +146,8 @@ def measured_systems(
             if system.recompute == "full":
                 costs = RecomputeCosts(costs)
             options: dict[str, Any] = {"optim": Optim(grad_clip=0.0), "recompute": system.recompute}
+            if system.n_chunks > 1:
+                options["parallelism"] = Parallelism(n_stages=n_stages, n_chunks=system.n_chunks)
             window = None
             if system.asynchronous:
                 n, a, b = steady_window(n_stages, p, window=iters)
