@@ -112,6 +112,10 @@ def test_virtual_stages_cut_the_bubble_by_v(
     r = simulate(s, ConstantCosts(f, b))
     assert r.latency == pytest.approx((m + (n_stages - 1) / n_chunks) * (f + b), rel=1e-12)
     assert r.n_chunks == n_chunks and np.allclose(r.busy, m * (f + b))
+    by_name = simulate_schedule(
+        name, n_stages, Plan.gpipe(m, 8), ConstantCosts(f, b), n_chunks=n_chunks
+    )
+    assert (by_name.latency, by_name.placement) == (r.latency, s.placement)
 
 
 def test_two_stages_two_chunks_by_hand() -> None:

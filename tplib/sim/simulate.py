@@ -317,12 +317,21 @@ def simulate_schedule(
     costs: ActionCosts,
     *,
     n_iterations: int = 1,
+    n_chunks: int | None = None,
     validate: bool = True,
 ) -> SimResult:
     """Build the registered schedule named ``schedule`` for ``plan`` (an asynchronous one
-    over ``n_iterations`` iterations) and :func:`simulate` it. ``validate=False`` skips
+    over ``n_iterations`` iterations; one with virtual stages with ``n_chunks`` per stage,
+    None: its default) and :func:`simulate` it. ``validate=False`` skips
     :func:`tplib.schedule.validate` (pure Python, tens of microseconds per action: seconds
     for 100k-action schedules); the generators have their own tests, and the replay still
     raises on a deadlock."""
-    made = make_schedule(schedule, n_stages, plan, n_iterations=n_iterations, validate=validate)
+    made = make_schedule(
+        schedule,
+        n_stages,
+        plan,
+        n_iterations=n_iterations,
+        n_chunks=n_chunks,
+        validate=validate,
+    )
     return simulate(made, costs)
