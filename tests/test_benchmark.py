@@ -103,7 +103,9 @@ def test_bench_runs_every_schedule_with_its_defaults(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr("tplib.runtime.bench", bench_on_a_warm_pool)
-    assert main([*TINY, "--schedule", schedule, "--json"]) == 0
+    # Interleaved 1F1B needs a microbatch per stage at least (Megatron's rule).
+    batch = ["--batch", "2"] if registered(schedule).chunked else []
+    assert main([*TINY, *batch, "--schedule", schedule, "--json"]) == 0
     printed = capsys.readouterr()
     out = json.loads(printed.out)
     assert out["schedule"] == schedule and out["iterations"] == 2 and out["median_latency_s"] > 0

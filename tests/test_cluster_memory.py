@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from tplib.cluster import ClusterCostModel, memory_per_gpu
-from tplib.cluster.memory import (
-    peak_in_flight,
-    schedule_memory_per_gpu,
-    stage_memory,
-    stage_memory_on_cluster,
-)
+from tplib.cluster.memory import peak_in_flight, schedule_memory_per_gpu, stage_memory_on_cluster
+from tplib.cluster.runtime_memory import stage_memory
 from tplib.nn.bytecount import gradient_bytes, parameter_bytes
 from tplib.nn.configs import GPTConfig, get_config, n_params_per_layer
 from tplib.nn.model import build_model
@@ -22,7 +18,7 @@ from tplib.paper import SETTINGS, TERAPIPE, main_row
 from tplib.plan import Plan, Unit
 from tplib.runtime import Data, LocalPool, Parallelism, RunConfig, RunResult, Timing
 from tplib.runtime.benchmark import modelled_memory
-from tplib.schedule import Action, Kind, make_schedule
+from tplib.schedule import Action, Kind, make_schedule, registered
 
 
 def test_paper_plans_fit_and_slicing_saves_scores() -> None:
@@ -66,8 +62,12 @@ def _acts(*items: str) -> list[Action]:
 SIZES = {Unit(0, 0): 1.0, Unit(0, 1): 10.0, Unit(0, 2): 100.0, Unit(1, 0): 1000.0}
 
 
-def _kept(u: Unit) -> float:
-    return SIZES[u]
+def _kept(a: Action) -> float:
+    return SIZES[a.unit]
+
+
+def _by_unit(sizes: dict[Unit, float]) -> Callable[[Action], float]:
+    return lambda a: sizes[a.unit]
 
 
 def test_peak_in_flight_fill_drain_keeps_every_unit() -> None:
@@ -102,12 +102,12 @@ def test_peak_in_flight_adds_the_unit_rebuilt_during_its_backward() -> None:
     inputs = {Unit(0, t): 1.0 for t in range(3)}
     rebuilt = {Unit(0, 0): 50.0, Unit(0, 1): 20.0, Unit(0, 2): 5.0}
     # B t2: 3 inputs + 5 = 8; B t1: 2 inputs + 20 = 22; B t0: 1 input + 50 = 51.
-    assert peak_in_flight(actions, inputs.__getitem__, rebuilt.__getitem__) == 51.0
+    assert peak_in_flight(actions, _by_unit(inputs), _by_unit(rebuilt)) == 51.0
     # Without the rebuilt term only the inputs count.
-    assert peak_in_flight(actions, inputs.__getitem__) == 3.0
+    assert peak_in_flight(actions, _by_unit(inputs)) == 3.0
     # A large kept set beats the rebuilt one: B t2 with kept 100 each: 300 + 5.
     big = {u: 100.0 for u in inputs}
-    assert peak_in_flight(actions, big.__getitem__, rebuilt.__getitem__) == 305.0
+    assert peak_in_flight(actions, _by_unit(big), _by_unit(rebuilt)) == 305.0
 
 
 # ---- any schedule on the cluster: weight versions and units in flight ----------------------
@@ -204,7 +204,8 @@ def test_fp16_states_are_the_optimizers_buffers(lo: int, hi: int) -> None:
 
 # tiny, 2 stages, 4 sequences of 32 tokens; TeraPipe and 1F1B cut each into 4 token slices,
 # GPipe runs unsliced microbatches of one sequence.
-MEASURED_SCHEDULES = ("gpipe", "terapipe", "1f1b")
+# With the virtual stages of an interleaved order and of a V (two chunks per stage).
+MEASURED_SCHEDULES = ("gpipe", "terapipe", "1f1b", "terapipe-interleaved", "terapipe-zbv")
 RECOMPUTE = ("none", "full")
 N_OPS = (1, 2)
 
@@ -213,7 +214,9 @@ def _run_config(schedule: str, n_op: int, recompute: str, dropout: float = 0.0) 
     return RunConfig(
         model="tiny",
         schedule_name=schedule,
-        parallelism=Parallelism(n_stages=2, n_op=n_op),
+        parallelism=Parallelism(
+            n_stages=2, n_op=n_op, n_chunks=registered(schedule).default_chunks
+        ),
         data=Data(batch=4, seq_len=32),
         slicing=1 if schedule == "gpipe" else 4,
         timing=Timing(steps=2, timeout_s=60),
@@ -303,13 +306,13 @@ def test_peak_in_flight_keeps_deferred_weight_inputs_until_their_w() -> None:
     deferred = {u: 0.5 * s for u, s in SIZES.items()}
     actions = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "F b1 t0", "W b0", "B b1 t0")
     # F b1 t0 while b0's two units wait for W b0: 1000 + 0.5 + 5 = 1005.5.
-    assert peak_in_flight(actions, _kept, deferred=deferred.__getitem__) == 1005.5
+    assert peak_in_flight(actions, _kept, deferred=_by_unit(deferred)) == 1005.5
     # With W b0 before F b1 t0 the peak is b1 alone.
     early = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "W b0", "F b1 t0", "B b1 t0")
-    assert peak_in_flight(early, _kept, deferred=deferred.__getitem__) == 1000.0
+    assert peak_in_flight(early, _kept, deferred=_by_unit(deferred)) == 1000.0
     # A per-unit W releases only its unit: W b0 t1 leaves t0's 0.5.
     per_unit = _acts("F b0 t0", "F b0 t1", "B b0 t1", "B b0 t0", "W b0 t1", "F b1 t0")
-    assert peak_in_flight(per_unit, _kept, deferred=deferred.__getitem__) == 1000.5
+    assert peak_in_flight(per_unit, _kept, deferred=_by_unit(deferred)) == 1000.5
 
 
 # ---- virtual stages: a chunk-unit keeps one chunk's layers ---------------------------------

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tplib.cluster import ClusterCostModel
-from tplib.cluster.memory import STATE_BYTES, memory_per_gpu, stage_memory
+from tplib.cluster.memory import STATE_BYTES, memory_per_gpu
+from tplib.cluster.runtime_memory import stage_memory
 from tplib.nn.configs import get_config, stage_params
 from tplib.partition import Layer, LayerChain, Topology, cluster_chain, profile_chain
 from tplib.perfmodel import Profile, build_profile

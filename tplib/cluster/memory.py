@@ -7,14 +7,8 @@ head, so a sequence sliced s_1..s_M keeps (L^2 + sum s_i^2) / 2 of them, not L^2
 :func:`memory_per_gpu` prices the paper's implementation that way (Megatron, fp16,
 attention scores materialised), for the cluster model.
 
-:func:`stage_memory` applies the same accounting to tplib's own runtime, stage by stage:
-what each of its layers keeps for backward (:class:`Inventory`: fused attention keeps
-no scores, only a log-sum-exp per head), which units are alive at once under the
-schedule (replayed from its actions, so 1F1B's bounded in-flight units show), full
-recomputation (each unit keeps only its input; one unit's activations are rebuilt at a
-time inside its backward), the precision's bytes per parameter, and the K/V context
-buffers. The runtime measures the same quantities (:mod:`tplib.runtime.memory`); the
-test suite holds the two within 10%.
+:mod:`tplib.cluster.runtime_memory` applies the same accounting to tplib's own runtime,
+with :func:`peak_in_flight`, written here once for both.
 
 :func:`schedule_memory_per_gpu` prices any schedule on the cluster, synchronous or not
 (PipeDream, PipeDream-2BW; PipeDream-2BW paper §3.1 and §4.2.2): a stage holds
@@ -45,7 +39,6 @@ from tplib.nn.configs import (
     check_recompute,
     get_config,
     n_params_per_layer,
-    stage_params,
 )
 from tplib.plan import Plan, Unit
 from tplib.schedule import Action, Kind, Schedule
@@ -53,13 +46,11 @@ from tplib.schedule.asynchronous import held_versions
 
 __all__ = [
     "STATE_BYTES",
-    "Inventory",
     "MemoryEstimate",
     "activation_rates",
     "memory_per_gpu",
     "peak_in_flight",
     "schedule_memory_per_gpu",
-    "stage_memory",
     "stage_memory_on_cluster",
 ]
 
@@ -71,18 +62,6 @@ STATE_BYTES = FP16 + FP16 + FP32 + FP32 + FP32 + FP32
 # attention context, FC1 out (4H), activation out (4H).
 _ACT_ELEMS = (5.0, 12.0)
 _ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32)
-
-
-# tplib's runtime, bytes per parameter: weight, gradient (kept allocated between steps),
-# Adam's m and v. fp16: an fp16 weight, its gradient accumulated in an fp32 main grad that
-# is also the master gradient (tplib.nn.optimizer), the fp32 master weight, Adam's m and v.
-_RUNTIME_STATE_BYTES = {
-    "fp32": FP32 + FP32 + FP32 + FP32,
-    "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
-    "fp16": FP16 + FP32 + FP32 + FP32 + FP32,
-}
-ADAM_STEP_BYTES = FP32  # torch's AdamW keeps a float32 step counter per parameter tensor
-PARAM_TENSORS_PER_LAYER = 12  # 2 LayerNorms, QKV, projection, FC1, FC2: weight and bias each
 
 
 @dataclass(frozen=True)
@@ -188,9 +167,13 @@ def stage_memory_on_cluster(
 
     actions = schedule.actions[stage]
     if recompute == "full":
-        acts = peak_in_flight(actions, kept=lambda u: tokens(u) * cfg.hidden * FP16, rebuilt=full)
+        acts = peak_in_flight(
+            actions,
+            kept=lambda a: tokens(a.unit) * cfg.hidden * FP16,
+            rebuilt=lambda a: full(a.unit),
+        )
     else:
-        acts = peak_in_flight(actions, kept=full)
+        acts = peak_in_flight(actions, kept=lambda a: full(a.unit))
     return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
 
 
@@ -225,153 +208,36 @@ def schedule_memory_per_gpu(
     return per_stage[worst], worst
 
 
-# ---- tplib's runtime, stage by stage -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """What one transformer layer keeps for backward, in bytes per token.
-
-    ``replicated``/``partitioned``: bytes per hidden element of the tensors kept whole on
-    every op rank / split over #Op; ``norm_stats``: LayerNorm statistics; ``per_head``:
-    per attention head of this rank; ``hidden``: bytes of a residual-stream element (what
-    a stage receives and sends); ``weight_copy``: bytes per product weight of a cast
-    copy kept for backward (autocast), once per iteration.
-    """
-
-    replicated: float
-    partitioned: float
-    norm_stats: float
-    per_head: float
-    hidden: int
-    weight_copy: float = 0.0
-
-
-def _runtime_inventory(precision: str = "fp32") -> Inventory:
-    """tplib's block (:mod:`tplib.nn.model`) as autograd sees it. Replicated: LN1's input and
-    output, LN2's input and output. Partitioned: the QKV product (q, k and v are views of
-    it), the attention output (the output projection reads a view of it), FC1's output
-    (GELU's input, 4H) and GELU's output (4H). Statistics: mean and 1/std of two
-    LayerNorms in fp32; per head: the attention's fp32 log-sum-exp. Row-parallel
-    products, residual adds and the #Op collectives keep nothing.
-
-    Under bf16 autocast the residual stream and the LayerNorms stay fp32 and their
-    outputs are kept as the bf16 copies the products read; the products' outputs are
-    bf16; and each product weight's bf16 copy is kept (cached once per iteration)."""
-    if precision == "fp32":
-        return Inventory(4 * FP32, 12 * FP32, 2 * 2 * FP32, FP32, FP32)
-    if precision == "fp16":
-        return Inventory(4 * FP16, 12 * FP16, 2 * 2 * FP32, FP32, FP16)
-    return Inventory(2 * FP32 + 2 * FP16, 12 * FP16, 2 * 2 * FP32, FP32, FP32, FP16)
-
-
 def peak_in_flight(
     actions: Sequence[Action],
-    kept: Callable[[Unit], float],
-    rebuilt: Callable[[Unit], float] | None = None,
-    deferred: Callable[[Unit], float] | None = None,
+    kept: Callable[[Action], float],
+    rebuilt: Callable[[Action], float] | None = None,
+    deferred: Callable[[Action], float] | None = None,
 ) -> float:
-    """The most bytes a stage keeps for backward at once under its ``actions``: ``kept(u)``
-    from unit u's forward to its backward, plus, with recomputation, ``rebuilt(u)``
-    while u's backward runs, and under split backwards ``deferred(u)`` from u's ``B`` to
-    the ``W`` that computes its weight gradients. With virtual stages a unit is held on
-    each chunk apart, each time ``kept(u)``: the bytes of one chunk's layers."""
+    """The most bytes a stage keeps for backward at once under its ``actions``:
+    ``kept(f)`` from a unit's forward ``f`` to its backward, plus, with recomputation,
+    ``rebuilt(b)`` while its backward ``b`` runs, and under split backwards
+    ``deferred(b)`` from its ``B`` to the ``W`` that computes its weight gradients. Each
+    is asked of the action, which names the unit and, with virtual stages, the chunk:
+    a unit is held on each chunk apart, each time the bytes of that chunk's layers."""
     alive: dict[tuple[Unit, int], float] = {}
     waiting: dict[tuple[Unit, int], float] = {}
     peak = 0.0
     for action in actions:
         key = (action.unit, action.chunk)
         if action.kind is Kind.F:
-            alive[key] = kept(action.unit)
+            alive[key] = kept(action)
             peak = max(peak, sum(alive.values()) + sum(waiting.values()))
         elif action.kind is Kind.B:
             held = sum(alive.values()) + sum(waiting.values())
             if rebuilt is not None:
-                peak = max(peak, held + rebuilt(action.unit))
+                peak = max(peak, held + rebuilt(action))
             alive.pop(key, None)
             if deferred is not None:
-                waiting[key] = deferred(action.unit)
+                waiting[key] = deferred(action)
                 peak = max(peak, sum(alive.values()) + sum(waiting.values()))
         elif action.kind is Kind.W:
             for u, c in [k for k in waiting if k[0].b == action.b and k[1] == action.chunk]:
                 if action.whole_sequence or u.t == action.t:
                     del waiting[u, c]
     return peak
-
-
-def stage_memory(
-    cfg: GPTConfig,
-    lo: int,
-    hi: int,
-    *,
-    plan: Plan,
-    actions: Sequence[Action],
-    n_op: int = 1,
-    recompute: str = "none",
-    precision: str = "fp32",
-    capacity: float = float("inf"),
-) -> MemoryEstimate:
-    """Peak memory of one rank of stage ``[lo, hi)`` in tplib's runtime, running ``plan``
-    in the order of its ``actions`` (see the module docstring)."""
-    inv = _runtime_inventory(precision)
-    h, e = cfg.hidden, inv.hidden
-    first, last = lo == 0, hi == cfg.n_layer
-    vocab_rows = -(-cfg.vocab_size // n_op)
-    heads = cfg.n_head / n_op
-    # With dropout (tplib.nn.dropout) attention is written out: no log-sum-exp, but per
-    # score the fp32 softmax, the 1-byte mask and the dropped probabilities; and a 1-byte
-    # mask per hidden element of each residual branch (and of the embeddings).
-    dropout = cfg.dropout > 0
-    per_head = 0.0 if dropout else inv.per_head
-    score_bytes = (FP32 + 1 + (FP32 if precision == "fp32" else FP16)) if dropout else 0.0
-    per_token_layer = (
-        inv.replicated * h + inv.partitioned * h / n_op + inv.norm_stats + per_head * heads
-    ) + (2 * h if dropout else 0)
-    # Beyond the layers: a middle stage's output waits for its backward; the last keeps
-    # ln_f's input, the head's input (its copy under autocast), ln_f's statistics and the
-    # cross-entropy's fp32 softmax.
-    head_input = FP16 if precision == "bf16" else e
-    extra = (e + head_input) * h + 2 * FP32 + vocab_rows * FP32 if last else h * e
-    extra += h if dropout and first else 0
-    per_token = (hi - lo) * per_token_layer + extra
-    own_input = 0.0 if first else h * e  # counted in the layers: LN1 keeps it
-
-    def tokens(u: Unit) -> int:
-        return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
-
-    def scores(u: Unit) -> float:  # the unit's kept attention scores, all its layers
-        length, end = plan.token_slices[u.b][u.t], plan.token_offset(u.b, u.t)
-        end += length
-        return (hi - lo) * heads * plan.batch_slices[u.b] * length * end * score_bytes
-
-    def kept(u: Unit) -> float:
-        return tokens(u) * per_token + scores(u)
-
-    # Split backwards keep each product's input and output gradient from B to W: per
-    # layer the inputs of QKV, FC1 (h each), the projection (h / #Op) and FC2 (4h / #Op),
-    # and the gradients of their outputs (3h / #Op, 4h / #Op, h, h); the head's too.
-    wgrad = e if precision == "fp32" else FP16
-    per_token_deferred = (hi - lo) * (4 * h + 12 * h / n_op) * wgrad
-    per_token_deferred += (h + vocab_rows) * wgrad if last else 0
-    deferred = None
-    if any(a.kind is Kind.W for a in actions):
-        deferred = lambda u: tokens(u) * per_token_deferred  # noqa: E731
-    if recompute == "full":
-        acts = peak_in_flight(
-            actions,
-            kept=lambda u: tokens(u) * own_input,
-            rebuilt=lambda u: kept(u) - tokens(u) * (own_input + (0 if last else h * e)),
-            deferred=deferred,
-        )
-    else:
-        acts = peak_in_flight(actions, kept=kept, deferred=deferred)
-    # The products' weights (and the head, which may be the tied embedding).
-    products = (hi - lo) * 12 * h * h // n_op + (vocab_rows * h if last else 0)
-    acts += inv.weight_copy * products
-    params = stage_params(cfg, lo, hi, n_op=n_op)
-    tensors = (hi - lo) * PARAM_TENSORS_PER_LAYER + 2 * first + 3 * last
-    tensors -= int(first and last and cfg.tie_embeddings)  # one shared embedding
-    states = params * _RUNTIME_STATE_BYTES[precision] + tensors * ADAM_STEP_BYTES
-    context_element = FP32 if precision == "fp32" else FP16
-    contexts = 4 * (hi - lo) * plan.batch * plan.seq_len * h / n_op * context_element
-    return MemoryEstimate(states, acts, 0.0, capacity, contexts)

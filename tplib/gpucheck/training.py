@@ -7,7 +7,7 @@ runtime's measured memory compares with tplib's memory model.
   Megatron report 40-55% on such GPUs; tplib's model is plain eager PyTorch.
 - :func:`measure_memory`: the runtime's schedules on local processes sharing the device,
   each rank's peak (the CUDA allocator's on a GPU) beside what
-  :func:`tplib.cluster.memory.stage_memory` predicts for its stage.
+  :func:`tplib.cluster.runtime_memory.stage_memory` predicts for its stage.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Two sources build a chain:
 * :func:`profile_chain`: stage profiles measured with ``python -m tplib profile`` (or
   :func:`~tplib.perfmodel.profile_pipeline`) on the machine at hand: a middle stage's
   time per block, and the first and last stages' excess over their blocks as the two
-  ends; memory from the runtime's own model (:func:`~tplib.cluster.memory.stage_memory`).
+  ends; memory from the runtime's own model (:func:`~tplib.cluster.runtime_memory.stage_memory`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,8 @@ from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.compute import embedding_times, head_times
 from tplib.cluster.cost import ClusterCostModel
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
-from tplib.cluster.memory import (
-    STATE_BYTES,
-    activation_rates,
-    stage_memory,
-)
+from tplib.cluster.memory import STATE_BYTES, activation_rates
+from tplib.cluster.runtime_memory import stage_memory
 from tplib.nn.configs import GPTConfig, check_precision, get_config, stage_params
 from tplib.perfmodel.profile import Profile
 from tplib.plan import Plan

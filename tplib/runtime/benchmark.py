@@ -5,7 +5,7 @@ latency and the runtime's overhead: measured latency minus the busiest stage's o
 (its forwards, backwards and optimizer step, from the trace). The overhead is what
 pipelining costs beyond the unavoidable work of the slowest stage: bubbles,
 communication and bookkeeping. Beside the latency it reports each stage's measured peak
-memory and what the analytic model (:func:`tplib.cluster.memory.stage_memory`) predicts
+memory and what the analytic model (:func:`tplib.cluster.runtime_memory.rank_memory`) predicts
 for the same configuration.
 """
 
@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from tplib.cluster.memory import MemoryEstimate, stage_memory
+from tplib.cluster.memory import MemoryEstimate
+from tplib.cluster.runtime_memory import rank_memory
 from tplib.runtime.pool import launch, local_backend
 from tplib.runtime.result import RunResult
 from tplib.runtime.runconfig import RunConfig
 from tplib.schedule import LOCAL_WORK
+from tplib.schedule.chunks import part_of
 
 __all__ = ["BenchResult", "bench", "busiest_stage_work", "modelled_memory"]
 
@@ -64,20 +66,21 @@ def busiest_stage_work(trace: pd.DataFrame) -> pd.Series:
 
 
 def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
-    """The analytic model's peak memory of one rank of each stage of ``run``."""
+    """The analytic model's peak memory of one rank of each stage of ``run`` (with
+    virtual stages, of all the stage's chunks together)."""
+    schedule = run.schedule
     return [
-        stage_memory(
+        rank_memory(
             run.cfg,
-            lo,
-            hi,
+            [run.ranges[part_of(schedule.placement, k, c)] for c in range(schedule.n_chunks)],
             # An asynchronous schedule's units span every iteration: its own plan names them.
-            plan=run.schedule.plan,
-            actions=run.schedule.actions[k],
+            plan=schedule.plan,
+            actions=schedule.actions[k],
             n_op=run.parallelism.n_op,
             recompute=run.recompute,
             precision=run.precision,
         )
-        for k, (lo, hi) in enumerate(run.ranges)
+        for k in range(schedule.n_stages)
     ]
 
 
