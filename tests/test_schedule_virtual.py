@@ -185,6 +185,31 @@ def test_interleaved_warmup_is_megatrons_on_full_groups(
         assert steady == [Kind.F, Kind.B] * (len(steady) // 2)
 
 
+@pytest.mark.parametrize(
+    ("n_stages", "plan"),
+    [
+        (3, Plan.uniform(2, 16, n_token_slices=8)),
+        (4, Plan.uniform(2, 16, n_token_slices=8)),
+        (2, Plan.uniform(1, 16, n_token_slices=8)),
+        (2, Plan((1, 1, 1), ((6, 5, 5),) * 3)),
+        (4, Plan.uniform(4, 16, n_token_slices=4)),
+    ],
+    ids=str,
+)
+def test_interleaving_many_token_slices_is_no_slower_than_1f1b(n_stages: int, plan: Plan) -> None:
+    """With more token slices per sequence than stages, the warm-up runs up to the first
+    sequence's last slice on the last chunk (its first backward) before 1F1B's
+    alternation: two chunks of half a stage's work then finish no later than sequence-level
+    1F1B on whole stages (one step per forward, two per backward, shared by the chunks)."""
+
+    def latency(name: str, v: int) -> float:
+        s = make_schedule(name, n_stages, plan, n_chunks=v)
+        timed = replay(s, lambda a: {Kind.F: 1.0 / v, Kind.B: 2.0 / v}.get(a.kind, 0.0))
+        return max(t.end for t in timed)
+
+    assert latency("terapipe-interleaved", 2) <= latency("1f1b", 1)
+
+
 def test_interleaved_order_walks_groups_of_k_through_the_chunks() -> None:
     s = make_schedule("interleaved-1f1b", 2, Plan.gpipe(4, 8), n_chunks=2)
     fwd = [(a.b, a.chunk) for a in s.compute_actions(0) if a.kind is Kind.F]

@@ -94,11 +94,15 @@ def interleaved_1f1b(
 
     The forward order takes the units in groups of K, each group through chunk 0, then
     chunk 1, ..., then the next group; the backward order the same groups (in backward
-    unit order) through the chunks in reverse. Stage k warms up with (K-k-1)*2 + (v-1)*K
-    forwards (K-k-1 when v = 1, which is ``1f1b``), plus M-1 for the first batch slice's
-    M token slices, then alternates one forward and one backward, then drains the
-    backwards; a backward whose forward has not run on the stage yet is preceded by the
-    missing forwards. Megatron's rule: at least K units (microbatches) per iteration.
+    unit order) through the chunks in reverse. Stage k warms up with the forwards that
+    come before the first backward's own in the forward order, then (K-k-1)*2 more
+    (K-k-1 when v = 1, which is ``1f1b``): with microbatches Megatron's (v-1)*K +
+    (K-k-1)*2; with token slices the first backward is the first sequence's last slice
+    on the last chunk, further on. Then it alternates one forward and one backward, then
+    drains the backwards; a backward whose forward has not run on the stage yet is
+    preceded by the missing forwards. Megatron's rule: at least K units (microbatches)
+    per iteration. A last group of fewer than K units can leave that order stuck; each
+    stuck stage then warms up one forward more, until none is.
     Clock cycles on K=2 stages, v=2, for the plan ``[(1, [8])] * 4``, one step per
     action, free communication::
 
@@ -116,17 +120,22 @@ def interleaved_1f1b(
             f"and a group is K of them), but plan {plan} has {n_units}"
         )
     placement = interleaved(n_stages, n_chunks)
-    depth = [n_stages - k - 1 for k in range(n_stages)]
-    extra = plan.n_token_slices(0) - 1  # the first sequence's token slices, as 1f1b
-    warmups = [2 * d + (n_chunks - 1) * n_stages if n_chunks > 1 else d for d in depth]
-    warmups = [w + extra for w in warmups]
+    # Megatron's warm-up counts the forwards before the first backward's own, (v-1)K
+    # with microbatches, then 2 per stage still ahead (1 with one chunk, as 1f1b). With
+    # token slices the first backward is the first sequence's last slice on the last
+    # chunk, further into the forward order.
+    fwd = _rounds(list(plan.units()), n_stages, list(range(n_chunks)))
+    first = _backward_units(plan)[0]
+    ahead = fwd.index((n_chunks - 1, first))
+    per_stage = 2 if n_chunks > 1 else 1
+    warmups = [ahead + per_stage * (n_stages - k - 1) for k in range(n_stages)]
     while True:
         orders = [
             _interleaved_order(k, n_stages, n_chunks, plan, warmups[k]) for k in range(n_stages)
         ]
         schedule = _complete(name, n_stages, plan, placement, orders)
         # A last group of fewer than K units can leave the order stuck: one more
-        # warm-up forward on each stuck stage until none is (never with full groups).
+        # warm-up forward on each stuck stage until none is.
         _, done = run(schedule, unit_cost)
         stuck = [k for k in range(n_stages) if done[k] < len(schedule.actions[k])]
         if not stuck or all(warmups[k] >= plan.n_units * n_chunks for k in stuck):
