@@ -192,6 +192,19 @@ def test_shared_cores_stretch_only_what_runs_at_the_same_time() -> None:
     assert crowded / simulate(gpipe, costs).latency > 1.2 * slow["gpipe"]
 
 
+def test_shared_cores_stretch_each_chunk_of_a_virtual_stage() -> None:
+    """Interleaved chunks share their stage's core with the other stage's: one busy core
+    of two stretches the overlapping work, chunk by chunk, and nothing when the cores
+    suffice."""
+    costs = ConstantCosts(t_f=1.0, t_b=2.0, t_optimizer=0.5)
+    s = make_schedule("interleaved-1f1b", 2, Plan.gpipe(4, 64), n_chunks=2)
+    alone = simulate(s, costs).latency
+    assert simulate_shared(s, costs, cores=8).latency == alone
+    shared = simulate_shared(s, costs, cores=2, busy=1)
+    assert alone < shared.latency <= 1.5 * alone + 1e-9
+    assert set(shared.timeline["chunk"]) == {0, 1}
+
+
 def test_contention_stretches_work_while_the_other_stage_works() -> None:
     # K=2, one sequence in two token slices, a step per F or B, free messages. Alone:
     # stage 0 F0 [0,1] F1 [1,2] ... B0 [5,6]. Stage 0's F1 and stage 1's F0 run together,

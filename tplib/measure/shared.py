@@ -24,38 +24,43 @@ import pandas as pd
 
 from tplib.plan import Plan
 from tplib.schedule import LOCAL_WORK, NO_UNIT, Action, Kind, Schedule
-from tplib.sim.costs import ActionCosts
+from tplib.schedule.chunks import Placement
+from tplib.sim.costs import ActionCosts, place
 from tplib.sim.simulate import SimResult, simulate, split_backward_costs
 
 __all__ = ["SharedCores", "simulate_shared"]
 
-Key = tuple[int, str, int, int]  # (stage, kind, b, t) of a timeline row
+Key = tuple[int, str, int, int, int]  # (stage, kind, b, t, chunk) of a timeline row
 
 
 @dataclass
 class SharedCores:
     """``costs`` with each action of :data:`~tplib.schedule.LOCAL_WORK` stretched by its
-    own factor, ``scale[(stage, kind, b, t)]`` (1 when absent): :func:`simulate_shared`'s
-    state."""
+    own factor, ``scale[(stage, kind, b, t, chunk)]`` (1 when absent):
+    :func:`simulate_shared`'s state."""
 
     costs: ActionCosts
     scale: dict[Key, float] = field(default_factory=dict)
+
+    def placed(self, placement: Placement) -> SharedCores:
+        """The same stretches over ``costs`` placed for ``placement`` (virtual stages)."""
+        return SharedCores(place(self.costs, placement), self.scale)
 
     @property
     def blocking_sends(self) -> bool:
         return self.costs.blocking_sends
 
     def compute(self, stage: int, action: Action, plan: Plan) -> float:
-        key = (stage, action.kind.value, action.b, action.t)
+        key = (stage, action.kind.value, action.b, action.t, action.chunk)
         return self.costs.compute(stage, action, plan) * self.scale.get(key, 1.0)
 
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
         """A ``W``, stretched by its own factor; a unit's ``W`` the simulator subtracts
         from that unit's split ``B`` by the ``B``'s, so the ``B`` is stretched whole."""
         costs = split_backward_costs(self.costs, action)
-        key = (stage, action.kind.value, action.b, action.t)
+        key = (stage, action.kind.value, action.b, action.t, action.chunk)
         if key not in self.scale:
-            key = (stage, Kind.B.value, action.b, action.t)
+            key = (stage, Kind.B.value, action.b, action.t, action.chunk)
         return costs.weight_grad(stage, action, plan) * self.scale.get(key, 1.0)
 
     def transfer(self, stage: int, action: Action, plan: Plan) -> float:
@@ -65,7 +70,7 @@ class SharedCores:
         return self.costs.allreduce(stage)
 
     def optimizer(self, stage: int) -> float:
-        key = (stage, Kind.OPT.value, NO_UNIT, NO_UNIT)
+        key = (stage, Kind.OPT.value, NO_UNIT, NO_UNIT, 0)
         return self.costs.optimizer(stage) * self.scale.get(key, 1.0)
 
 
@@ -96,10 +101,10 @@ def _stretch(
         if len(spans) > 1 and contention:
             factor *= 1.0 + (contention[k] - 1.0) * others / (len(contention) - 1)
         part = rows[rows.stage == k]
-        keys = zip(part.kind, part.b, part.t, strict=True)
+        keys = zip(part.kind, part.b, part.t, part.chunk, strict=True)
         out |= {
-            (k, str(kind), int(b), int(t)): float(f)
-            for (kind, b, t), f in zip(keys, factor, strict=True)
+            (k, str(kind), int(b), int(t), int(c)): float(f)
+            for (kind, b, t, c), f in zip(keys, factor, strict=True)
         }
     return out
 
