@@ -23,7 +23,7 @@ from tplib.sim.simulate import (
     simulate,
     simulate_schedule,
 )
-from tplib.tables.plots import plot_timeline
+from tplib.tables.timeline import plot_timeline
 
 
 class AttentionLikeCost:

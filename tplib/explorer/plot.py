@@ -3,7 +3,7 @@
 (a) the predicted latency of every uniform slicing against #slices, the DP plan as a
 line; (b) the DP plan's slice lengths, mostly longer first: a later slice attends to
 more context, so it must be shorter to take as long; (c) the DP plan's simulated
-pipeline timeline (:func:`tplib.tables.plots.plot_timeline`).
+pipeline timeline (:func:`tplib.tables.timeline.plot_timeline`).
 
 The module is named ``plot``, not ``figure``, so that ``tplib.explorer.figure`` stays
 the function even after this module is imported.
@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from tplib.explorer.exploration import Exploration
 from tplib.plan import Plan
-from tplib.tables.plots import plot_timeline
+from tplib.tables.timeline import plot_timeline
 
 __all__ = ["figure"]
 

@@ -28,7 +28,7 @@ as its own layers, each message on the link between the ranks of the neighbourin
 Output. :class:`SimResult` holds the latency, each stage's busy and idle time, the bubble
 fraction and the timeline as a DataFrame with the columns of the runtime's measured
 traces (:data:`TIMELINE_COLUMNS`, and the chunk each action runs on), so
-:func:`tplib.tables.plots.plot_timeline` draws both. With virtual stages a row's
+:func:`tplib.tables.timeline.plot_timeline` draws both. With virtual stages a row's
 ``stage`` is the rank.
 """
 
