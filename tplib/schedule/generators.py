@@ -30,7 +30,13 @@ from __future__ import annotations
 
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import WHOLE_SEQUENCE, Action, Kind, Schedule
-from tplib.schedule.passes import Order, add_communication, add_update, one_f_one_b_order
+from tplib.schedule.passes import (
+    Order,
+    add_communication,
+    add_update,
+    check_whole_sequences,
+    one_f_one_b_order,
+)
 
 __all__ = ["gpipe", "one_f_one_b", "one_f_one_b_zb", "terapipe", "terapipe_zb"]
 
@@ -64,13 +70,7 @@ def _fill_drain(name: str, n_stages: int, plan: Plan) -> Schedule:
 
 def gpipe(n_stages: int, plan: Plan) -> Schedule:
     """GPipe fill-drain over microbatches: the paper's "w/o TeraPipe" baseline."""
-    for b in range(plan.n_batch_slices):
-        if plan.n_token_slices(b) != 1:
-            raise ValueError(
-                f"gpipe needs one token slice per batch slice (microbatches), but batch slice "
-                f"{b} of plan {plan} has {plan.n_token_slices(b)}: use 'terapipe' for "
-                "token-sliced plans"
-            )
+    check_whole_sequences("gpipe", plan, "terapipe")
     return _fill_drain("gpipe", n_stages, plan)
 
 

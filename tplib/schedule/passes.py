@@ -4,7 +4,8 @@ A generator places compute actions only. :func:`add_communication` inserts the s
 receives around them; :func:`add_update` ends every stage of a synchronous schedule with
 its gradient all-reduce (``AR``) and optimizer step (``OPT``), where an asynchronous
 generator places the updates among the units itself. :func:`one_f_one_b_order` is the
-order of sequence-level 1F1B, which ``1f1b``, ``1f1b-zb`` and ``2bw`` all run.
+order of sequence-level 1F1B, which ``1f1b``, ``1f1b-zb`` and ``2bw`` all run, and
+:func:`check_whole_sequences` the rule every microbatch schedule holds its plan to.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from dataclasses import replace
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import COMPUTE, UPDATE, Action, Kind, Schedule
 
-__all__ = ["Order", "add_communication", "add_update", "one_f_one_b_order"]
+__all__ = [
+    "Order",
+    "add_communication",
+    "add_update",
+    "check_whole_sequences",
+    "one_f_one_b_order",
+]
 
 Order = list[tuple[Kind, Unit]]  # one stage's forwards and backwards, in the order it runs them
 
@@ -40,6 +47,18 @@ def one_f_one_b_order(k: int, n_stages: int, plan: Plan) -> Order:
         n_fwd = target
         order.append((Kind.B, u))
     return order
+
+
+def check_whole_sequences(name: str, plan: Plan, token_sliced: str) -> None:
+    """Refuse a plan with token slices for the microbatch schedule ``name``, naming its
+    token-sliced form ``token_sliced``."""
+    for b in range(plan.n_batch_slices):
+        if plan.n_token_slices(b) != 1:
+            raise ValueError(
+                f"{name} needs one token slice per batch slice (microbatches), but batch slice "
+                f"{b} of plan {plan} has {plan.n_token_slices(b)}: use {token_sliced!r} for "
+                "token-sliced plans"
+            )
 
 
 def add_communication(schedule: Schedule) -> Schedule:

@@ -24,30 +24,17 @@ from tplib.schedule.actions import WHOLE_SEQUENCE, Action, Kind, Schedule
 from tplib.schedule.chunks import Placement, interleaved, v_shape
 from tplib.schedule.drawing import unit_cost
 from tplib.schedule.engine import run
-from tplib.schedule.passes import add_communication, add_update
+from tplib.schedule.passes import add_communication, add_update, check_whole_sequences
 
 __all__ = [
     "CHUNKED",
     "ChunkOrder",
-    "check_whole_sequences",
     "interleaved_1f1b",
     "looped_bfs",
     "zbv",
 ]
 
 ChunkOrder = list[tuple[Kind, int, Unit]]  # one stage's (kind, chunk, unit) in run order
-
-
-def check_whole_sequences(name: str, plan: Plan, token_sliced: str) -> None:
-    """Refuse a plan with token slices for a microbatch schedule, naming its token-sliced
-    form."""
-    for b in range(plan.n_batch_slices):
-        if plan.n_token_slices(b) != 1:
-            raise ValueError(
-                f"{name} needs one token slice per batch slice (microbatches), but batch slice "
-                f"{b} of plan {plan} has {plan.n_token_slices(b)}: use {token_sliced!r} for "
-                "token-sliced plans"
-            )
 
 
 def _check(n_stages: int, n_chunks: int) -> None:
