@@ -17,6 +17,7 @@ batch slices in turn, each one's token slices in reverse.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from tplib.plan import Plan, Unit
@@ -198,86 +199,98 @@ def zbv(n_stages: int, plan: Plan, n_chunks: int = 2, name: str = "zbv") -> Sche
 
 
 def _list_schedule(n_stages: int, plan: Plan, placement: Placement) -> list[ChunkOrder]:
-    """ZB-V's order (see :func:`zbv`), from a list-scheduling run on unit costs."""
+    """ZB-V's order (see :func:`zbv`), from a list-scheduling run on unit costs.
+
+    Each stage's next move is kept until something it waits on changes: its own last
+    move, the forward of the part before one of its chunks, or the backward of the part
+    after one. So a step costs a few stages' proposals, not K (K = 48 took seconds)."""
     n_parts = len(placement)
-    part_of = {}  # (stage, chunk) -> part
+    part_of: dict[tuple[int, int], int] = {}  # (stage, chunk) -> part
     seen = [0] * n_stages
     for p, k in enumerate(placement):
         part_of[k, seen[k]] = p
         seen[k] += 1
-    fwd_queue = [[list(plan.units()) for _ in range(2)] for _ in range(n_stages)]
-    bwd_queue = [[_backward_units(plan) for _ in range(2)] for _ in range(n_stages)]
-    pending: list[list[tuple[int, int]]] = [[] for _ in range(n_stages)]  # (chunk, b) awaiting W
+    fwd_queue = [[deque(plan.units()) for _ in range(2)] for _ in range(n_stages)]
+    bwd_queue = [[deque(_backward_units(plan)) for _ in range(2)] for _ in range(n_stages)]
+    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(n_stages)]  # (chunk, b)
     held = [0] * n_stages  # units forwarded whose W has not run
     cap = 2 * (n_stages + max(len(ts) for ts in plan.token_slices) - 1)
     done: dict[tuple[Kind, int, Unit], float] = {}  # (kind, part, unit) -> end step
     clock = [0.0] * n_stages
     orders: list[ChunkOrder] = [[] for _ in range(n_stages)]
+    left = 2 * 3 * plan.n_units * n_stages  # F, B and W (a W per unit's slice) per chunk
 
-    def ready(kind: Kind, k: int, c: int, u: Unit) -> float | None:
-        p = part_of[k, c]
-        needs = []
-        if kind is Kind.F and p > 0:
-            needs.append((Kind.F, p - 1, u))
-        if kind is Kind.B:
-            needs.append((Kind.F, p, u))
-            if p < n_parts - 1:
-                needs.append((Kind.B, p + 1, u))
-        times = [done.get(n) for n in needs]
-        return (
-            None
-            if any(t is None for t in times)
-            else max([0.0, *(t for t in times if t is not None)])
-        )
+    def ready(kind: Kind, p: int, u: Unit) -> float | None:
+        if kind is Kind.F:
+            return done.get((Kind.F, p - 1, u)) if p > 0 else 0.0
+        mine = done.get((Kind.F, p, u))
+        if mine is None or p == n_parts - 1:
+            return mine
+        after = done.get((Kind.B, p + 1, u))
+        return None if after is None else max(mine, after)
 
-    while any(q for stage in fwd_queue + bwd_queue for q in stage) or any(pending):
-        moves: list[tuple[float, int, tuple[Kind, int, Unit], float]] = []
-        for k in range(n_stages):
-            now = clock[k]
-            cands: list[tuple[int, float, tuple[Kind, int, Unit]]] = []  # (priority, ready, move)
-            for c in (0, 1):
-                if bwd_queue[k][c]:
-                    u = bwd_queue[k][c][0]
-                    r = ready(Kind.B, k, c, u)
+    Move = tuple[float, int, tuple[Kind, int, Unit], float]
+
+    def propose(k: int) -> Move | None:
+        now = clock[k]
+        cands: list[tuple[int, float, tuple[Kind, int, Unit]]] = []  # (priority, ready, move)
+        for c in (0, 1):
+            if bwd_queue[k][c]:
+                u = bwd_queue[k][c][0]
+                r = ready(Kind.B, part_of[k, c], u)
+                if r is not None:
+                    cands.append((c, r, (Kind.B, c, u)))
+        if held[k] < cap:
+            for c in (1, 0):
+                if fwd_queue[k][c]:
+                    u = fwd_queue[k][c][0]
+                    r = ready(Kind.F, part_of[k, c], u)
                     if r is not None:
-                        cands.append((c, r, (Kind.B, c, u)))
-            if held[k] < cap:
-                for c in (1, 0):
-                    if fwd_queue[k][c]:
-                        u = fwd_queue[k][c][0]
-                        r = ready(Kind.F, k, c, u)
-                        if r is not None:
-                            cands.append((2 + (1 - c), r, (Kind.F, c, u)))
-            now_ready = [x for x in cands if x[1] <= now]
-            if now_ready:
-                _, _, move = min(now_ready, key=lambda x: x[0])
-                moves.append((now, k, move, now + 1))
-            elif pending[k]:
-                c, b = pending[k][0]
-                moves.append(
-                    (now, k, (Kind.W, c, Unit(b, WHOLE_SEQUENCE)), now + plan.n_token_slices(b))
-                )
-            elif cands:
-                _, r, move = min(cands, key=lambda x: (x[1], x[0]))
-                moves.append((r, k, move, r + 1))
-        if not moves:
+                        cands.append((2 + (1 - c), r, (Kind.F, c, u)))
+        now_ready = [x for x in cands if x[1] <= now]
+        if now_ready:
+            return (now, k, min(now_ready, key=lambda x: x[0])[2], now + 1)
+        if pending[k]:
+            c, b = pending[k][0]
+            w = (Kind.W, c, Unit(b, WHOLE_SEQUENCE))
+            return (now, k, w, now + plan.n_token_slices(b))
+        if cands:
+            _, r, move = min(cands, key=lambda x: (x[1], x[0]))
+            return (r, k, move, r + 1)
+        return None
+
+    moves = {k: propose(k) for k in range(n_stages)}
+    while left:
+        live = [m for m in moves.values() if m is not None]
+        if not live:
             # Every stage waits for a forward its cap holds back: let them hold one more.
             cap += 1
+            moves = {k: propose(k) for k in range(n_stages)}
             continue
-        _, k, (kind, c, u), end = min(moves, key=lambda m: (m[0], m[1]))
+        _, k, (kind, c, u), end = min(live, key=lambda m: (m[0], m[1]))
         orders[k].append((kind, c, u))
         clock[k] = end
+        affected = {k}
         if kind is Kind.W:
-            pending[k].pop(0)
+            pending[k].popleft()
             held[k] -= plan.n_token_slices(u.b)
-            continue
-        queue = fwd_queue if kind is Kind.F else bwd_queue
-        queue[k][c].pop(0)
-        done[kind, part_of[k, c], u] = end
-        if kind is Kind.F:
-            held[k] += 1
-        elif u.t == 0:
-            pending[k].append((c, u.b))
+            left -= plan.n_token_slices(u.b)
+        else:
+            (fwd_queue if kind is Kind.F else bwd_queue)[k][c].popleft()
+            p = part_of[k, c]
+            done[kind, p, u] = end
+            left -= 1
+            if kind is Kind.F:
+                held[k] += 1
+                if p + 1 < n_parts:
+                    affected.add(placement[p + 1])
+            else:
+                if u.t == 0:
+                    pending[k].append((c, u.b))
+                if p > 0:
+                    affected.add(placement[p - 1])
+        for j in affected:
+            moves[j] = propose(j)
     return orders
 
 
