@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import IO
 
 from tplib.plan import Plan, Unit
-from tplib.schedule.chunks import Placement, check_placement, identity, part_of, rank_chunk
+from tplib.schedule.chunks import Placement, check_placement, identity, rank_chunk
 
 __all__ = [
     "COMMUNICATION",
@@ -101,9 +101,8 @@ def parse_kind(value: str) -> Kind:
     try:
         return Kind(value)
     except ValueError:
-        raise ValueError(
-            f"unknown action kind {value!r}: known kinds are {[k.value for k in Kind]}"
-        ) from None
+        known = [k.value for k in Kind]
+        raise ValueError(f"unknown action kind {value!r}: known kinds are {known}") from None
 
 
 class ScheduleError(ValueError):
@@ -215,6 +214,10 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     n_iterations: int = 1
     placement: Placement = ()
+    # Derived from the placement, for the engine's every message: (stage, chunk) of each
+    # part, and each (stage, chunk)'s part.
+    _where: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _part: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
@@ -223,6 +226,9 @@ class Schedule:
         placement = tuple(self.placement) or identity(self.n_stages)
         check_placement(placement, self.n_stages)
         object.__setattr__(self, "placement", placement)
+        where = tuple(rank_chunk(placement, p) for p in range(len(placement)))
+        object.__setattr__(self, "_where", where)
+        object.__setattr__(self, "_part", {rc: p for p, rc in enumerate(where)})
         if len(self.actions) != self.n_stages:
             raise ValueError(
                 f"schedule {self.name!r} has n_stages={self.n_stages} but action lists "
@@ -259,21 +265,19 @@ class Schedule:
 
     def part(self, a: Action) -> int:
         """The model part action ``a`` runs on: chunk ``a.chunk`` of its stage."""
-        if self.n_chunks == 1:
-            return a.stage
-        return part_of(self.placement, a.stage, a.chunk)
+        return self._part[a.stage, a.chunk]
 
     def where(self, part: int) -> tuple[int, int]:
         """(stage, chunk) that holds model part ``part``."""
-        if self.n_chunks == 1:
-            return part, 0
-        return rank_chunk(self.placement, part)
+        if not 0 <= part < len(self.placement):
+            raise ValueError(f"part {part}: schedule {self.name!r} has parts 0..{self.n_parts - 1}")
+        return self._where[part]
 
     def neighbour(self, a: Action, step: int) -> tuple[int, int] | None:
         """(stage, chunk) of the part ``step`` (+1 or -1) from ``a``'s, None past the
         model's ends."""
-        p = self.part(a) + step
-        return self.where(p) if 0 <= p < self.n_parts else None
+        p = self._part[a.stage, a.chunk] + step
+        return self._where[p] if 0 <= p < len(self.placement) else None
 
     @property
     def batch_slices_per_iteration(self) -> int:
