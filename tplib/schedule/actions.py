@@ -130,7 +130,8 @@ class Action:
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", parse_kind(self.kind))
+        if type(self.kind) is not Kind:  # a string, from a file or a caller: checked
+            object.__setattr__(self, "kind", parse_kind(self.kind))
         if self.stage < 0:
             raise ValueError(f"action {self} on stage {self.stage}: stages are numbered from 0")
         if self.kind in UPDATE:
@@ -304,8 +305,7 @@ class Schedule:
         return tuple(a for a in self.actions[stage] if a.kind in COMPUTE)
 
     def __str__(self) -> str:
-        # Each stage's list in the compact form, as it is: the timed stage x step grid
-        # needs the event engine, which builds on this module (tplib.schedule.drawing).
+        # Each stage's list as it is: the timed grid is tplib.schedule.drawing's.
         rows = (f"stage {k} | {', '.join(map(str, acts))}" for k, acts in enumerate(self.actions))
         chunks = "" if self.n_chunks == 1 else f" x {self.n_chunks} chunks {self.placement}"
         head = f"{self.name} on {self.n_stages} stages{chunks}, plan {self.plan}"

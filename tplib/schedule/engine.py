@@ -40,13 +40,13 @@ def link_of(schedule: Schedule, a: Action) -> Link:
     """The directed link send or receive ``a`` of ``schedule`` uses: to or from the stage
     that holds the neighbouring part of the model; stage -1 past the model's ends (an
     invalid schedule's: nothing arrives there, nothing comes from there)."""
-    activation = a.kind in (Kind.SA, Kind.RA)
-    toward = 1 if a.kind in (Kind.SA, Kind.RG) else -1  # the peer's part, from a's
+    kind = a.kind
+    toward = 1 if kind is Kind.SA or kind is Kind.RG else -1  # the peer's part, from a's
     other = schedule.neighbour(a, toward)
     peer = -1 if other is None else other[0]
-    sending = a.kind in SENDS
-    src, dst = (a.stage, peer) if sending else (peer, a.stage)
-    return ("A" if activation else "G", src, dst)
+    if kind is Kind.SA or kind is Kind.SG:
+        return ("A" if kind is Kind.SA else "G", a.stage, peer)
+    return ("A" if kind is Kind.RA else "G", peer, a.stage)
 
 
 def run(

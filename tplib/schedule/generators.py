@@ -28,6 +28,8 @@ slice by batch slice, so a stage holds at most three units' activations, not six
 
 from __future__ import annotations
 
+from collections import deque
+
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import WHOLE_SEQUENCE, Action, Kind, Schedule
 from tplib.schedule.passes import (
@@ -140,35 +142,48 @@ def one_f_one_b_zb(n_stages: int, plan: Plan) -> Schedule:
         stage 2 |                   F b0 t0  B b0 t0  F b1 t0  B b1 t0  W b0     F b2 t0  B b2 t0  W b1     F b3 t0  B b3 t0  W b2     W b3
     """
     _check_stages(n_stages)
-    queues = [one_f_one_b_order(k, n_stages, plan) for k in range(n_stages)]
+    queues = [deque(one_f_one_b_order(k, n_stages, plan)) for k in range(n_stages)]
     orders: list[Order] = [[] for _ in range(n_stages)]
-    pending: list[list[int]] = [[] for _ in range(n_stages)]  # sequences awaiting their W
+    pending: list[deque[int]] = [deque() for _ in range(n_stages)]  # sequences awaiting W
     finished: dict[tuple[Kind, int, Unit], float] = {}  # (kind, stage, unit) -> end step
     clock = [0.0] * n_stages
-    while any(queues) or any(pending):
-        moves = []  # (start, stage, action, end) of each stage's next move
-        for k in range(n_stages):
-            if queues[k]:
-                kind, u = queues[k][0]
-                src = k - 1 if kind is Kind.F else k + 1
-                ready = finished.get((kind, src, u)) if 0 <= src < n_stages else 0.0
-                force = kind is Kind.F and len(pending[k]) > n_stages - k
-                if ready is not None and (ready <= clock[k] or not pending[k]) and not force:
-                    start = max(clock[k], ready)
-                    moves.append((start, k, (kind, u), start + 1))
-                    continue
-            if pending[k]:
-                b = pending[k][0]
-                w = (Kind.W, Unit(b, WHOLE_SEQUENCE))
-                moves.append((clock[k], k, w, clock[k] + plan.n_token_slices(b)))
-        start, k, (kind, u), end = min(moves)
+    Move = tuple[float, int, tuple[Kind, Unit], float]  # (start, stage, action, end)
+
+    def propose(k: int) -> Move | None:
+        if queues[k]:
+            kind, u = queues[k][0]
+            src = k - 1 if kind is Kind.F else k + 1
+            ready = finished.get((kind, src, u)) if 0 <= src < n_stages else 0.0
+            force = kind is Kind.F and len(pending[k]) > n_stages - k
+            if ready is not None and (ready <= clock[k] or not pending[k]) and not force:
+                start = max(clock[k], ready)
+                return (start, k, (kind, u), start + 1)
+        if pending[k]:
+            b = pending[k][0]
+            w = (Kind.W, Unit(b, WHOLE_SEQUENCE))
+            return (clock[k], k, w, clock[k] + plan.n_token_slices(b))
+        return None
+
+    # A stage's next move changes only with its own moves and its neighbours' results:
+    # kept until then, so a step asks a few stages, not K.
+    moves = [propose(k) for k in range(n_stages)]
+    left = sum(map(len, queues)) + n_stages * plan.n_batch_slices  # W: one per sequence
+    while left:
+        _, k, (kind, u), end = min(m for m in moves if m is not None)
         orders[k].append((kind, u))
         clock[k] = end
+        left -= 1
+        affected = [k]
         if kind is Kind.W:
-            pending[k].pop(0)
-            continue
-        queues[k].pop(0)
-        finished[kind, k, u] = end
-        if kind is Kind.B and u.t == 0:
-            pending[k].append(u.b)
+            pending[k].popleft()
+        else:
+            queues[k].popleft()
+            finished[kind, k, u] = end
+            if kind is Kind.B and u.t == 0:
+                pending[k].append(u.b)
+            neighbour = k + 1 if kind is Kind.F else k - 1
+            if 0 <= neighbour < n_stages:
+                affected.append(neighbour)
+        for j in affected:
+            moves[j] = propose(j)
     return _complete("1f1b-zb", n_stages, plan, orders)

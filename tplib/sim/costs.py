@@ -242,10 +242,16 @@ def memo(method: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(method)
     def cached(self: Any, *args: Any) -> R:
         cache: dict[tuple[object, ...], R] = self.__dict__.setdefault(slot, {})
-        key = tuple(_key(a) for a in args)
-        if key not in cache:
-            cache[key] = method(self, *args)
-        return cache[key]
+        try:  # scalars, the simulator's millions of calls: the arguments are the key
+            return cache[args]
+        except KeyError:
+            key: tuple[object, ...] = args
+        except TypeError:  # an array: by value
+            key = tuple(_key(a) for a in args)
+            if key in cache:
+                return cache[key]
+        cache[key] = value = method(self, *args)
+        return value
 
     return cached
 
