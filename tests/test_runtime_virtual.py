@@ -30,11 +30,9 @@ SLICES = Plan.uniform(4, SEQ_LEN, n_token_slices=2)
 REPLICA = Plan.uniform(2, SEQ_LEN, n_token_slices=2)
 
 # (schedule, K, v, #Data, #Op, recompute, plan, fast): fast cases run in make test-fast,
-# one per schedule.
+# one per schedule. K = 4 and v = 3 run token-sliced (the harder case of each order).
 CASES = [
     ("interleaved-1f1b", 2, 2, 1, 1, "none", WHOLE, True),
-    ("interleaved-1f1b", 4, 2, 1, 1, "none", WHOLE, False),
-    ("interleaved-1f1b", 2, 3, 1, 1, "none", WHOLE, False),
     ("terapipe-interleaved", 2, 2, 1, 1, "none", UNEVEN, True),
     ("terapipe-interleaved", 2, 3, 1, 1, "full", UNEVEN, False),
     ("terapipe-interleaved", 2, 2, 2, 1, "none", REPLICA, False),
