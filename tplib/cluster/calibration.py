@@ -1,4 +1,4 @@
-"""The cluster model's free parameters: their values and where each comes from.
+"""The cluster models' free parameters: their values and where each comes from.
 
 :class:`Calibration` lists every parameter of the model that is not a published spec of
 :class:`~tplib.cluster.hardware.Hardware`. Each is a published measurement, an
@@ -6,14 +6,31 @@ assumption, or fitted by :func:`~tplib.cluster.fit.fit_calibration` to the paper
 ("w/o TeraPipe") latencies of Table 2 only (in the stages of :data:`FIT_STAGES`; the rows
 of :data:`HELD_OUT` check the fit), so every TeraPipe latency the model gives is a
 prediction. :data:`CALIBRATION` holds the fitted values.
+
+The DGX clusters (:data:`DGX_A100_CALIBRATION`, :data:`DGX_H100_CALIBRATION`; by name in
+:data:`CALIBRATIONS`) reuse the structure with their own values: the A100's matrix-product
+efficiency is fitted by :func:`tplib.search.megatron_fit.fit_dgx_a100` to Megatron's
+published A100 runs (Narayanan et al. 2021, Table 1: :mod:`tplib.published`) and nothing
+else; the H100 model takes that fraction of its own peak, and every other value of
+both is a published measurement or an assumption, named in the tables below.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["CALIBRATION", "COMM_MODES", "FIT_STAGES", "HELD_OUT", "Calibration", "CommMode"]
+__all__ = [
+    "CALIBRATION",
+    "CALIBRATIONS",
+    "COMM_MODES",
+    "DGX_A100_CALIBRATION",
+    "DGX_H100_CALIBRATION",
+    "FIT_STAGES",
+    "HELD_OUT",
+    "Calibration",
+    "CommMode",
+]
 
 CommMode = Literal["eager", "rendezvous", "async"]
 COMM_MODES = ("eager", "rendezvous", "async")
@@ -25,6 +42,7 @@ _EFFICIENCIES = (
     "nvlink_efficiency",
     "pcie_efficiency",
 )
+_OPTIONAL_EFFICIENCIES = ("flash_efficiency",)
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,9 @@ class Calibration:
                                     (NVIDIA/nccl-tests#214)
     memory_reserve        2 GiB     assumption: CUDA context, cuBLAS workspace, allocator
                                     slack (the authors' scripts cap memory at 14 GB)
+    host_floor            None      the knee rule above; a DGX's: seconds of a layer's
+                                    forward at least, measured (see its calibration)
+    flash_efficiency      None      V100s run no FlashAttention-2 (it needs sm_80)
     ====================  ========  ========================================================
 
     :data:`CALIBRATION` stores the fitted values; :func:`~tplib.cluster.fit.fit_calibration`
@@ -121,10 +142,14 @@ class Calibration:
     collective_latency: float = 20e-6
     inter_node_latency: float = 50e-6
     memory_reserve: float = 2 * 2**30
+    host_floor: float | None = None
+    flash_efficiency: float | None = None
 
     def __post_init__(self) -> None:
-        for name in _EFFICIENCIES:
+        for name in _EFFICIENCIES + _OPTIONAL_EFFICIENCIES:
             value = getattr(self, name)
+            if value is None and name in _OPTIONAL_EFFICIENCIES:
+                continue
             if not 0 < value <= 1:
                 raise ValueError(f"Calibration.{name}={value}: efficiencies lie in (0, 1]")
         if self.comm not in COMM_MODES:
@@ -134,6 +159,8 @@ class Calibration:
                 f"Calibration: allreduce_latency={self.allreduce_latency} must be >= 0, "
                 f"nccl_buffer={self.nccl_buffer} > 0 and nccl_steps={self.nccl_steps} >= 1"
             )
+        if self.host_floor is not None and self.host_floor < 0:
+            raise ValueError(f"Calibration.host_floor={self.host_floor}: seconds are >= 0")
 
 
 # The two-stage fit: (fields, settings whose GPipe rows fit them). Data-parallel settings
@@ -150,3 +177,65 @@ CALIBRATION = Calibration(
     allreduce_efficiency=0.55285,
     allreduce_latency=0.28521,
 )
+
+
+# DGX A100 (80 GB), Megatron-LM on it. Every value but gemm_efficiency is a published
+# measurement or an assumption:
+#
+#   gemm_efficiency       FITTED to the ten rows of Narayanan et al. 2021, Table 1 (their
+#                         achieved TFLOPS per GPU) by tplib.search.megatron_fit, nothing
+#                         else; least squares on the log of the ratio
+#   network_efficiency    0.9, assumption: InfiniBand HDR point-to-point with GPUDirect
+#                         RDMA reaches about 90% of the 200 Gb/s line rate
+#   allreduce_efficiency  0.9, assumption, the same for NCCL's ring over the rails
+#   allreduce_ring        True: NCCL's ring, 2 (n - 1) / n of the gradients per GPU
+#   allreduce_latency     0: no fixed cost beyond the ring's per-step latency
+#   comm                  eager, as Megatron's blocking p2p calls between microbatches
+#   hbm_efficiency        0.85, assumption: copy kernels reach about 85% of HBM2e's 2,039
+#                         GB/s (90% was measured on an H100 by tplib's GPU check, 3.0 of
+#                         3.35 TB/s; taken lower here for the smaller kernels)
+#   nvlink_efficiency     0.8, as the V100's: NCCL reaches about 80% of NVLink's peak
+#   host_staging          False: GPUDirect RDMA, the adapters read GPU memory
+#   host_floor            0.514 ms: tplib's own GPT3-1B layer forward at 256 tokens on an
+#                         H100 node (make gpu-check, figure 3; results/gpu/): 1 to 1,024
+#                         tokens all took 0.51-0.57 ms, the host issuing kernels. Taken for
+#                         both DGX nodes, whose hosts are of one generation; it bounds only
+#                         small slices, never a row of the fit
+#   flash_efficiency      0.6: FlashAttention-2's forward + backward on an A100 at head
+#                         dimension 128 and 2K tokens (its paper reports 50-73% of peak
+#                         over its kernel benchmarks)
+#   inter_node_latency    10 us, assumption: NCCL over InfiniBand with GPUDirect
+#   memory_reserve        4 GiB, assumption: CUDA context, NCCL and cuBLAS workspaces,
+#                         allocator fragmentation on an 80 GB GPU
+_DGX = dict(
+    network_efficiency=0.9,
+    allreduce_efficiency=0.9,
+    allreduce_latency=0.0,
+    allreduce_ring=True,
+    comm="eager",
+    hbm_efficiency=0.85,
+    nvlink_efficiency=0.8,
+    host_staging=False,
+    host_floor=0.514e-3,
+    inter_node_latency=10e-6,
+    memory_reserve=4 * 2**30,
+)
+DGX_A100_GEMM_EFFICIENCY = 0.75  # FITTED: see above (tplib.search.megatron_fit)
+DGX_A100_CALIBRATION = Calibration(
+    gemm_efficiency=DGX_A100_GEMM_EFFICIENCY,
+    flash_efficiency=0.6,
+    **_DGX,  # type: ignore[arg-type]
+)
+# DGX H100: no H100 run enters any fit. The A100 fit's lesson is the fraction of the
+# tensor peak Megatron's matrix products reach; the H100 is given the same fraction of
+# its own peak, and everything else as the A100's but for FlashAttention-2, which is not
+# written for Hopper: the FlashAttention-3 paper measured FlashAttention-2 at 362 of 989
+# TFLOPS forward at head dimension 128 and 2K tokens (0.33 taken, the backward slower).
+DGX_H100_CALIBRATION = replace(DGX_A100_CALIBRATION, flash_efficiency=0.33)
+
+# The calibration of each cluster of tplib.cluster.hardware.CLUSTERS, by name.
+CALIBRATIONS: dict[str, Calibration] = {
+    "p3.16xlarge": CALIBRATION,
+    "dgx-a100": DGX_A100_CALIBRATION,
+    "dgx-h100": DGX_H100_CALIBRATION,
+}

@@ -14,7 +14,7 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
   K/V-context gradient accumulation;
 * memory-bound kernels at ``hbm_efficiency`` x 900 GB/s: LayerNorms, residuals, dropout,
   biases, activation (:data:`TOKEN_BYTES_FWD`) and the score matrix (scale, mask, fp32
-  softmax, dropout: :data:`SCORE_BYTES_FWD` / :data:`SCORE_BYTES_BWD` bytes per score);
+  softmax, dropout: :data:`~tplib.cluster.implementation.ATTENTION_SCORE_BYTES` per score);
   dropout's share only when the model trains with dropout (``GPTConfig.dropout``; the
   paper's GPT-3 configs, as GPT-3 trained with 0.1);
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
@@ -33,11 +33,14 @@ import numpy as np
 
 from tplib.cluster.calibration import Calibration
 from tplib.cluster.hardware import FP16, FP32, Hardware
+from tplib.cluster.implementation import ATTENTION_SCORE_BYTES, PAPER, Implementation
 from tplib.nn.configs import GPTConfig, n_params_per_layer
 from tplib.sim.costs import ring_allreduce
 
 __all__ = [
+    "attention_core_time",
     "embedding_times",
+    "flash_times",
     "gemm_time",
     "hbm_rate",
     "head_times",
@@ -51,8 +54,6 @@ __all__ = [
 TOKEN_BYTES_FWD = (15.0, 16.0)  # per (token, hidden) element: (replicated, per #Op share)
 # replicated over the #Op group: 2 LayerNorms (r+w), 2 residual adds (2r+w), 2 dropouts;
 # per #Op share: QKV and FC1 biases, the activation over 4H.
-SCORE_BYTES_FWD = 16.0  # per attention score: write, scale, mask, fp32 softmax, dropout
-SCORE_BYTES_BWD = 32.0
 # Dropout's share of the above, charged only when the model trains with dropout
 # (GPTConfig.dropout > 0, as GPT-3 did): forward, each of the 2 residual-branch dropouts
 # reads and writes fp16 and writes a 1-byte mask (2.5 elements); on the scores the same
@@ -106,9 +107,11 @@ def layer_times(
     *,
     cal: Calibration,
     hw: Hardware,
+    impl: Implementation = PAPER,
 ) -> tuple[np.ndarray, np.ndarray]:
     """GPU seconds of one layer's (forward, backward) for a slice, on one GPU of an
-    ``n_op`` group."""
+    ``n_op`` group, in implementation ``impl`` (its attention and sequence parallelism:
+    :mod:`tplib.cluster.implementation`)."""
     h, heads, hbm = cfg.hidden, cfg.n_head // n_op, hbm_rate(cal, hw)
     s, c = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
     b = batch_slice_size
@@ -128,32 +131,87 @@ def layer_times(
     # Attention per (sequence, head): QK^T (s x dh) @ (dh x keys), AV (s x keys) @
     # (keys x dh).
     pairs, dh = b * heads, cfg.head_dim
-    attn = gemm(s, keys, dh, pairs) + gemm(s, dh, keys, pairs)
-    scores = pairs * s * keys
     rep, part = TOKEN_BYTES_FWD
-    score_fwd, score_bwd = SCORE_BYTES_FWD, SCORE_BYTES_BWD
     if cfg.dropout == 0:  # nothing to drop: the model does not pay for dropout
         rep -= DROPOUT_TOKEN_ELEMS
-        score_fwd, score_bwd = score_fwd - DROPOUT_SCORE_BYTES, score_bwd - DROPOUT_SCORE_BYTES
-    elementwise = tokens * h * FP16 * (rep + part / n_op) / hbm
+    if impl.attention == "flash":
+        attn, attn_bwd = flash_times(pairs, dh, s, c, cal=cal, hw=hw)
+        score_seconds = (0.0, 0.0)
+    else:
+        attn = gemm(s, keys, dh, pairs) + gemm(s, dh, keys, pairs)
+        attn_bwd = 2 * attn
+        score_fwd, score_bwd = ATTENTION_SCORE_BYTES[impl.attention]
+        if cfg.dropout == 0:
+            score_fwd, score_bwd = score_fwd - DROPOUT_SCORE_BYTES, score_bwd - DROPOUT_SCORE_BYTES
+        scores = pairs * s * keys
+        score_seconds = (scores * score_fwd / hbm, scores * score_bwd / hbm)
+    # Sequence parallelism splits the replicated regions over the group.
+    rep_share = rep / n_op if impl.sequence_parallel else rep
+    elementwise = tokens * h * FP16 * (rep_share + part / n_op) / hbm
     megatron: float | np.ndarray = 0.0
     if n_op > 1:
         ring = ring_allreduce(FP16 * tokens * h, n_op, nvlink_bus(cal, hw))
         megatron = 2 * (ring + cal.collective_latency)
-    fwd = fwd_gemm + attn + scores * score_fwd / hbm + elementwise + megatron
+    fwd = fwd_gemm + attn + score_seconds[0] + elementwise + megatron
     params = n_params_per_layer(cfg) / n_op
     accumulate = 3 * FP16 * params / hbm  # w.grad += dW per slice
     kv_grad = 3 * 2 * FP16 * b * c * h / n_op / hbm  # context grads += update
-    bwd = (
-        bwd_gemm
-        + 2 * attn
-        + scores * score_bwd / hbm
-        + 2 * elementwise
-        + megatron
-        + accumulate
-        + kv_grad
-    )
+    bwd = bwd_gemm + attn_bwd + score_seconds[1] + 2 * elementwise + megatron + accumulate + kv_grad
     return fwd, bwd
+
+
+def flash_times(
+    pairs: float,
+    head_dim: int,
+    length: np.ndarray,
+    context: np.ndarray,
+    *,
+    cal: Calibration,
+    hw: Hardware,
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPU seconds of FlashAttention-2's (forward, backward) over ``pairs`` (sequence,
+    head) pairs of a slice of ``length`` queries after ``context`` keys: the forward's
+    two products over every context key and the causal half of the slice's own, at
+    ``flash_efficiency`` of the peak; the backward 2.5 times the forward's work (it
+    recomputes the scores: five products to the forward's two)."""
+    if cal.flash_efficiency is None:
+        raise ValueError(
+            f"attention='flash' on {hw.gpu}: its calibration has no flash_efficiency "
+            "(FlashAttention-2 runs on A100 and newer GPUs)"
+        )
+    s, c = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
+    flops = 4 * pairs * head_dim * s * (c + (s + 1) / 2)
+    fwd = flops / (cal.flash_efficiency * hw.peak_fp16)
+    return fwd, 2.5 * fwd
+
+
+def attention_core_time(
+    cfg: GPTConfig,
+    n_op: int,
+    batch_slice_size: int,
+    length: np.ndarray,
+    context: np.ndarray,
+    *,
+    cal: Calibration,
+    hw: Hardware,
+    impl: Implementation = PAPER,
+) -> np.ndarray:
+    """GPU seconds of one layer's attention core forward (scores, softmax, dropout, the
+    product with V): what selective recomputation runs again in the backward. Nothing
+    with FlashAttention-2, whose backward already recomputes the scores (and keeps no
+    more than the core's inputs and output)."""
+    s = np.asarray(length, dtype=float)
+    if impl.attention == "flash":
+        return np.zeros_like(s)
+    keys = np.asarray(context, dtype=float) + s
+    pairs, dh = batch_slice_size * cfg.n_head // n_op, cfg.head_dim
+    attn = gemm_time(s, keys, dh, pairs, cal=cal, hw=hw) + gemm_time(
+        s, dh, keys, pairs, cal=cal, hw=hw
+    )
+    score_fwd, _ = ATTENTION_SCORE_BYTES[impl.attention]
+    if cfg.dropout == 0:
+        score_fwd -= DROPOUT_SCORE_BYTES
+    return np.asarray(attn + pairs * s * keys * score_fwd / hbm_rate(cal, hw), dtype=float)
 
 
 def layer_wgrad_time(

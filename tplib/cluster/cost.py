@@ -1,31 +1,34 @@
-"""Analytic cost model of the paper's cluster: one layout on AWS p3.16xlarge nodes.
+"""Analytic cost model of a cluster: one pipeline layout on p3.16xlarge or DGX nodes.
 
-One :class:`ClusterCostModel` prices a Table-1 layout (#Pipe stages K of N/K layers,
-each stage operation-partitioned over #Op GPUs, #Data replicas; see
-:mod:`tplib.cluster.layout`) for both consumers: the DP planner (``slice_time``, a
+One :class:`ClusterCostModel` prices a layout (#Pipe stages K of N/K layers, each stage
+operation-partitioned over #Op GPUs, #Data replicas; see :mod:`tplib.cluster.layout`)
+for both consumers: the DP planner (``slice_time``, a
 :class:`~tplib.sim.costs.SliceCostModel`) and the simulator (``compute``/``transfer``/
-``allreduce``/``optimizer``, an :class:`~tplib.sim.costs.ActionCosts`). It models the
-paper's implementation (appendix B: PyTorch + NCCL + Megatron-LM, fp16 layers, fp32
-master weights, Adam): only the N transformer layers are pipelined, which is also what
-the paper's TFLOPS column counts.
+``allreduce``/``optimizer``, an :class:`~tplib.sim.costs.ActionCosts`). By default it
+models the paper's implementation (appendix B: PyTorch + NCCL + Megatron-LM, fp16
+layers, fp32 master weights, Adam) on its p3.16xlarge nodes: only the N transformer
+layers are pipelined, which is also what the paper's TFLOPS column counts. Another
+:class:`~tplib.cluster.implementation.Implementation` (Megatron's attention, sequence
+parallelism, the distributed optimizer, the embedding and head on the end stages) and
+another cluster (:data:`~tplib.cluster.hardware.DGX_A100`, with its calibration) price
+Megatron-LM's runs on today's nodes.
 
-What one layer costs on one GPU is :mod:`tplib.cluster.compute`. On top of it, a stage
-of N/K layers never computes faster than the host issues its kernels (paper Fig. 3: a
-GPT3-1B layer's forward takes as long for 1 token as for 256): a layer's forward takes
-at least the GPU time of a 256-token GPT3-1B layer forward, its backward twice that.
+What one layer costs on one GPU is :mod:`tplib.cluster.compute`; what the messages
+cost, :mod:`tplib.cluster.links`. On top of the layer, a stage of N/K layers never
+computes faster than the host issues its kernels (paper Fig. 3: a GPT3-1B layer's
+forward takes as long for 1 token as for 256): a layer's forward takes at least the GPU
+time of a 256-token GPT3-1B layer forward (or the calibration's measured
+``host_floor``), its backward ``backward_floor`` times that.
+
+Recomputation (``recompute``): ``full`` runs each stage's forward again before its
+backward; ``selective`` (Korthikanti et al. 2022) only the attention core, which costs
+nothing more under FlashAttention-2 (its backward recomputes the scores anyway).
 
 Virtual stages (:meth:`ClusterCostModel.placed`): v chunks per stage of N / (vK) layers
 each. A chunk computes its own layers, broadcasts in its #Op group only what came from
 another stage, and sends to the stage of the neighbouring part, across the wrap from
 stage K-1 to stage 0 too (off the node unless the replica fits in one). ``slice_time``
 holds all of a stage's chunks, each with its messages; the update, all N / K layers.
-
-Sends run on the compute stream, so a stage is busy while it sends (``comm``, see
-:class:`~tplib.cluster.calibration.Calibration`); a message between nodes also passes
-through host memory at both ends (``staging``: the nodes have no GPUDirect RDMA). The
-data-parallel all-reduce crosses the network, and all 8 GPUs of a node all-reduce at
-about the same time (their stages finish the backward within a few slices of each
-other): they SHARE the node's 25 Gbps.
 """
 
 from __future__ import annotations
@@ -36,37 +39,43 @@ from functools import cached_property
 import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
-from tplib.cluster.compute import hbm_rate, layer_times, layer_wgrad_time, nvlink_bus
+from tplib.cluster.compute import (
+    attention_core_time,
+    embedding_times,
+    head_times,
+    layer_times,
+    layer_wgrad_time,
+)
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
-from tplib.cluster.layout import check_layout, gpu_rank, send_ranks
+from tplib.cluster.implementation import PAPER, Implementation
+from tplib.cluster.layout import check_layout
+from tplib.cluster.links import LayoutLinks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
-from tplib.nn.configs import GPTConfig, check_recompute, get_config, n_params_per_layer
+from tplib.nn.configs import GPTConfig, check_recompute, get_config
 from tplib.paper import Setting
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices
 from tplib.schedule.chunks import Placement
-from tplib.sim.costs import Parts, memo, ring_allreduce, unit_shape
+from tplib.sim.costs import Parts, memo, unit_shape
 
 __all__ = ["ClusterCostModel"]
-
-Bytes = np.ndarray | float
 
 # Optimizer step per parameter: fp16 grad -> fp32 master grad with loss unscaling
 # (r 2 + w 4, then r/w 4 + 4), fused Adam (r param, grad, m, v; w param, m, v: 28),
 # fp32 master -> fp16 weights (r 4 + w 2).
 OPTIMIZER_BYTES = 14.0 + 28.0 + 6.0
-# Data-parallel all-reduce bookkeeping per parameter (Megatron's bucketed all-reduce):
-# flatten the fp16 grads, scale, unflatten: three reads and three writes.
-ALLREDUCE_COPY_BYTES = 3 * 2 * FP16
 
 
-class ClusterCostModel:
-    """Costs of one pipeline layout on p3.16xlarge nodes (see the module docstring).
+class ClusterCostModel(LayoutLinks):
+    """Costs of one pipeline layout on a cluster (see the module docstring).
 
     ``model``: a config or its name; ``n_stages`` (K), ``n_op`` (#Op) and ``n_data``
     (#Data) as in Table 1; ``seq_len`` (L) bounds context + slice length; ``recompute``
-    ("none" or "full") as the runtime's; ``placement`` the stage of each model part with
-    virtual stages (:meth:`placed`; None: one part per stage).
+    ("none", "selective" or "full"); ``placement`` the stage of each model part with
+    virtual stages (:meth:`placed`; None: one part per stage); ``hardware`` and
+    ``calibration`` the cluster's; ``implementation`` what the training code does;
+    ``overlap_unit``: the (batch slice size, length) of the last backward the gradient
+    reduction overlaps (with ``implementation.overlap_grad_reduce``).
     """
 
     max_batch_slice_size: int | None = None  # analytic: it prices any batch slice
@@ -84,9 +93,16 @@ class ClusterCostModel:
         hardware: Hardware = P3_16XLARGE,
         recompute: str = "none",
         placement: Placement | None = None,
+        implementation: Implementation = PAPER,
+        overlap_unit: tuple[int, int] | None = None,
     ) -> None:
         check_recompute(recompute)
-        self.recompute = recompute
+        if implementation.sequence_parallel and n_op == 1:
+            raise ValueError(
+                "sequence_parallel with n_op=1: sequence parallelism splits the #Op group's "
+                "replicated regions, so it needs #Op > 1"
+            )
+        self.recompute, self.impl, self.overlap_unit = recompute, implementation, overlap_unit
         self.cfg = get_config(model) if isinstance(model, str) else model
         self.seq_len = seq_len or self.cfg.seq_len
         check_layout(self.cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware)
@@ -140,56 +156,28 @@ class ClusterCostModel:
 
     # ---- rates and one layer --------------------------------------------------------
 
-    @property
-    def _hbm(self) -> float:
-        return hbm_rate(self.cal, self.hw)
-
-    @property
-    def _nvlink_bus(self) -> float:
-        return nvlink_bus(self.cal, self.hw)
-
-    def _intra_p2p(self, a: int, b: int) -> float:
-        """Bytes/s from local GPU ``a`` to ``b``: their NVLinks, or PCIe through host
-        memory (two copies) when the pair has none."""
-        links = self.hw.links(a, b)
-        if links:
-            return self.cal.nvlink_efficiency * links * self.hw.nvlink_link
-        return self._pcie / 2
-
-    @property
-    def _pcie(self) -> float:
-        """Bytes/s of a copy between a GPU and host memory."""
-        return self.cal.pcie_efficiency * self.hw.pcie
-
-    def staging(self, nbytes: np.ndarray, *, receiving: bool) -> np.ndarray:
-        """Seconds one end of a cross-node message is busy copying it between GPU and
-        host memory. Without GPUDirect RDMA, NCCL's network transport stages every
-        message through a host buffer of ``nccl_buffer`` bytes in ``nccl_steps`` slots.
-        The sender's copy runs ahead of the wire one slot at a time, so only the first
-        slot adds to the transfer; the receiver's data wait in the buffer until its
-        kernel runs, which then copies up to a whole buffer."""
-        if not self.cal.host_staging:
-            return np.zeros_like(nbytes)
-        ahead = self.cal.nccl_buffer if receiving else self.cal.nccl_buffer / self.cal.nccl_steps
-        return np.minimum(nbytes, ahead) / self._pcie
-
-    @property
-    def params_per_layer(self) -> float:
-        """Parameters of one layer on one GPU of the #Op group."""
-        return n_params_per_layer(self.cfg) / self.n_op
-
     def layer_times(
         self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """GPU seconds of one layer's (forward, backward) for a slice, on one GPU."""
         return layer_times(
-            self.cfg, self.n_op, batch_slice_size, length, context, cal=self.cal, hw=self.hw
+            self.cfg,
+            self.n_op,
+            batch_slice_size,
+            length,
+            context,
+            cal=self.cal,
+            hw=self.hw,
+            impl=self.impl,
         )
 
     @cached_property
     def host_floor(self) -> float:
-        """Seconds a layer's forward takes at least (Fig. 3's flat region): the GPU time
-        of a ``knee_tokens``-token forward of one ``knee_model`` layer on one GPU."""
+        """Seconds a layer's forward takes at least (Fig. 3's flat region): the
+        calibration's measured ``host_floor``, or else the GPU time of a
+        ``knee_tokens``-token forward of one ``knee_model`` layer on one GPU."""
+        if self.cal.host_floor is not None:
+            return self.cal.host_floor
         knee = get_config(self.cal.knee_model)
         tokens, context = np.array([self.cal.knee_tokens]), np.array([0])
         fwd, _ = layer_times(knee, 1, 1, tokens, context, cal=self.cal, hw=self.hw)
@@ -206,10 +194,23 @@ class ClusterCostModel:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Compute seconds of one stage (N/K layers, or ``layers``: a chunk's) for a
         slice: (forward, backward), without the broadcast of received tensors inside the
-        #Op group. With full recomputation the backward runs the forward again first."""
+        #Op group. With full recomputation the backward runs the forward again first;
+        with selective, each layer's attention core."""
         n = self.layers_per_stage if layers is None else layers
         fwd, bwd = self.layer_seconds(batch_slice_size, length, context)
         fwd, bwd = n * fwd, n * bwd
+        if self.recompute == "selective":
+            core = attention_core_time(
+                self.cfg,
+                self.n_op,
+                batch_slice_size,
+                length,
+                context,
+                cal=self.cal,
+                hw=self.hw,
+                impl=self.impl,
+            )
+            return fwd, bwd + n * core
         return fwd, bwd + fwd if self.recompute == "full" else bwd
 
     def layer_seconds(
@@ -221,68 +222,14 @@ class ClusterCostModel:
         floor = self.host_floor
         return np.maximum(fwd, floor), np.maximum(bwd, self.cal.backward_floor * floor)
 
-    def _op_broadcast(self, nbytes: np.ndarray) -> np.ndarray:
-        if self.n_op == 1:
-            return np.zeros_like(nbytes)
-        return nbytes / self._nvlink_bus + self.cal.collective_latency
-
-    def node_of(self, stage: int, op_rank: int = 0, replica: int = 0) -> int:
-        """Node of a GPU under the paper's rank order (op, then stage, then replica)."""
-        rank = gpu_rank(stage, op_rank, replica, n_stages=self.n_stages, n_op=self.n_op)
-        return rank // self.hw.gpus_per_node
-
-    def crosses_nodes(self, src: int, dst: int, forward: bool | None = None) -> bool:
-        """Whether a send from stage ``src`` to stage ``dst`` leaves the node (``forward``:
-        an activation; default ``dst > src``, see :func:`~tplib.cluster.layout.send_ranks`)."""
-        a, b = send_ranks(src, dst, self.n_op, forward)
-        return a // self.hw.gpus_per_node != b // self.hw.gpus_per_node
-
-    def p2p(self, src: int, dst: int, nbytes: Bytes, forward: bool | None = None) -> np.ndarray:
-        """Seconds to move ``nbytes`` from stage ``src`` to stage ``dst`` (``forward``
-        as in :meth:`crosses_nodes`)."""
-        nbytes = np.asarray(nbytes, dtype=float)
-        if self.crosses_nodes(src, dst, forward):
-            net = self.cal.network_efficiency * self.hw.network
-            return (
-                nbytes / net + self.cal.inter_node_latency + self.staging(nbytes, receiving=False)
-            )
-        a, b = send_ranks(src, dst, self.n_op, forward)
-        g = self.hw.gpus_per_node
-        return nbytes / self._intra_p2p(a % g, b % g) + self.cal.intra_node_latency
-
-    def receive(self, src: int, dst: int, nbytes: Bytes, forward: bool | None = None) -> np.ndarray:
-        """Seconds the receiving stage itself is busy with a receive: the whole transfer
-        (rendezvous), only the call's latency (eager: the data waits in NCCL's buffer),
-        or nothing (async)."""
-        nbytes = np.asarray(nbytes, dtype=float)
-        if self.cal.comm == "rendezvous":
-            return self.p2p(src, dst, nbytes, forward)
-        if self.cal.comm == "async":
-            return np.zeros_like(nbytes)
-        if self.crosses_nodes(src, dst, forward):
-            return self.cal.inter_node_latency + self.staging(nbytes, receiving=True)
-        return np.full_like(nbytes, self.cal.intra_node_latency)
-
-    def stage_comm(self, stage: int, nbytes: np.ndarray | float) -> np.ndarray:
-        """Seconds of pipeline communication stage ``stage`` adds per unit: for each of
-        its chunks, its send to the stage of each neighbouring part (on the critical
-        path even when asynchronous), its share of each receive, and the #Op broadcast
-        of what it received; nothing between two chunks of the stage."""
-        nbytes = np.asarray(nbytes, dtype=float)
-        total = np.zeros_like(nbytes)
-        for chunk in range(self.parts.n_chunks):
-            for step in (-1, 1):
-                nbr = self.parts.neighbour(stage, chunk, step)
-                if nbr is None or nbr == stage:
-                    continue
-                forward = step > 0
-                total = (
-                    total
-                    + self.p2p(stage, nbr, nbytes, forward)
-                    + self.receive(nbr, stage, nbytes, not forward)
-                )
-                total = total + self._op_broadcast(nbytes)
-        return total
+    def overlap_window(self, stage: int) -> float:
+        """Seconds of the backward the data-parallel reduction overlaps: one
+        ``overlap_unit``'s backward through a chunk of the stage (the iteration's last
+        backward there); 0 without an ``overlap_unit``."""
+        if self.overlap_unit is None:
+            return 0.0
+        size, length = self.overlap_unit
+        return self._compute(Kind.B, False, size, length, 0, self.layers_per_chunk, 0)
 
     # ---- SliceCostModel (planner) ----------------------------------------------------
 
@@ -312,17 +259,34 @@ class ClusterCostModel:
         """A chunk's forward or backward of a unit (a stage's, without virtual stages),
         with the #Op broadcast of what it received from another stage."""
         shape, receives = unit_shape(plan, action), self.parts.receives(stage, action)
-        return self._compute(action.kind, receives, *shape, self.layers_per_chunk)
+        ends = 0
+        if self.impl.ends:
+            part = self.parts.part(stage, action.chunk)
+            ends = (part == 0) + 2 * (part == len(self.parts.placement) - 1)
+        return self._compute(action.kind, receives, *shape, self.layers_per_chunk, ends)
 
     @memo
     def _compute(
-        self, kind: Kind, receives: bool, size: int, length: int, context: int, layers: int
+        self,
+        kind: Kind,
+        receives: bool,
+        size: int,
+        length: int,
+        context: int,
+        layers: int,
+        ends: int = 0,
     ) -> float:
         fwd, bwd = self.stage_times(size, np.array([length]), np.array([context]), layers)
         t = float((fwd if kind is Kind.F else bwd)[0])
         if receives:
             nbytes = np.array([FP16 * size * length * self.cfg.hidden])
             t += float(self._op_broadcast(nbytes)[0])
+        # The model's ends (``ends``: 1 the first part, 2 the last, 3 both).
+        tokens, at = size * length, 0 if kind is Kind.F else 1
+        if ends & 1:
+            t += embedding_times(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)[at]
+        if ends & 2:
+            t += head_times(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)[at]
         return t
 
     def weight_grad(self, stage: int, action: Action, plan: Plan) -> float:
@@ -352,36 +316,13 @@ class ClusterCostModel:
         nbytes = FP16 * size * n * self.cfg.hidden
         return float((self.p2p if send else self.receive)(src, dst, nbytes, fwd))
 
-    def stage_params(self, stage: int = 0) -> float:
-        """Parameters one GPU of ``stage`` holds (every stage holds N/K layers, in all
-        its chunks)."""
-        return self.layers_per_stage * self.params_per_layer
-
-    def allreduce(self, stage: int) -> float:
-        """Data-parallel ring all-reduce of the stage's fp16 gradients over #Data
-        replicas: over NVLink when they all share a node, else over the network, whose
-        link the 8 GPUs of a node share."""
-        n = self.n_data
-        if n == 1:
-            return 0.0
-        params = self.stage_params(stage)
-        grads = FP16 * params
-        # One node only if every replica of the stage sits in it; a ring that leaves the
-        # node is held to the network, whose link the node's GPUs share.
-        if len({self.node_of(stage, replica=r) for r in range(n)}) == 1:
-            wire = ring_allreduce(grads, n, self._nvlink_bus, self.cal.collective_latency)
-        else:
-            share = self.cal.allreduce_efficiency * self.hw.network / self.hw.gpus_per_node
-            if self.cal.allreduce_ring:
-                wire = ring_allreduce(grads, n, share, self.cal.inter_node_latency)
-            else:
-                wire = grads / share
-            wire += self.cal.allreduce_latency
-        return float(wire) + ALLREDUCE_COPY_BYTES * params / self._hbm
-
     def optimizer(self, stage: int) -> float:
-        """Mixed-precision Adam step over the stage's parameters: memory-bound."""
-        return OPTIMIZER_BYTES * self.stage_params(stage) / self._hbm
+        """Mixed-precision Adam step over the stage's parameters (with the distributed
+        optimizer, over its 1 / #Data shard of them): memory-bound."""
+        params = self.stage_params(stage)
+        if self.impl.distributed_optimizer:
+            params /= self.n_data
+        return OPTIMIZER_BYTES * params / self._hbm
 
     # ---- memory ----------------------------------------------------------------------
 
@@ -395,4 +336,6 @@ class ClusterCostModel:
             calibration=self.cal,
             hardware=self.hw,
             recompute=self.recompute,
+            implementation=self.impl,
+            n_data=self.n_data,
         )

@@ -34,11 +34,13 @@ import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
+from tplib.cluster.implementation import PAPER, Implementation
 from tplib.nn.configs import (
     GPTConfig,
     check_recompute,
     get_config,
     n_params_per_layer,
+    padded_vocab,
 )
 from tplib.plan import Plan, Unit
 from tplib.schedule import Action, Kind, Schedule
@@ -52,6 +54,7 @@ __all__ = [
     "peak_in_flight",
     "schedule_memory_per_gpu",
     "stage_memory_on_cluster",
+    "state_bytes",
 ]
 
 # Weights and optimizer state per parameter in mixed precision: fp16 weights and grads,
@@ -61,7 +64,14 @@ STATE_BYTES = FP16 + FP16 + FP32 + FP32 + FP32 + FP32
 # #Op share). Replicated: LN1 in/out, attention output, LN2 in/out. Shared: Q, K, V, the
 # attention context, FC1 out (4H), activation out (4H).
 _ACT_ELEMS = (5.0, 12.0)
-_ACT_SCORE_BYTES = FP16 + FP32  # attention scores (fp16) and probabilities (fp32)
+# Bytes kept per attention score: the paper's fp16 scores and fp32 probabilities;
+# Megatron's fused softmax keeps its fp16 output, the dropout mask and the dropped
+# probabilities (5, Korthikanti et al. 2022); FlashAttention-2 none (a row statistic).
+_SCORE_KEPT = {"unfused": FP16 + FP32, "fused-softmax": 5.0, "flash": 0.0}
+_ACT_SCORE_BYTES = _SCORE_KEPT["unfused"]
+# What the loss keeps per logit on the last stage with the model's ends: the fp16
+# logits and their fp32 softmax.
+_LOGIT_KEPT = FP16 + FP32
 
 
 @dataclass(frozen=True)
@@ -92,11 +102,26 @@ class MemoryEstimate:
         )
 
 
-def activation_rates(cfg: GPTConfig, n_op: int) -> tuple[float, float]:
+def activation_rates(
+    cfg: GPTConfig, n_op: int, impl: Implementation = PAPER, recompute: str = "none"
+) -> tuple[float, float]:
     """Bytes one layer keeps per token (the hidden-size activations, the partitioned ones
-    split over #Op) and per attention score (token x context position), on one GPU."""
+    split over #Op, all of them under sequence parallelism) and per attention score
+    (token x context position), on one GPU; selective recomputation keeps no score."""
     rep, part = _ACT_ELEMS
-    return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * _ACT_SCORE_BYTES
+    if impl.sequence_parallel:
+        rep /= n_op
+    kept = 0.0 if recompute == "selective" else _SCORE_KEPT[impl.attention]
+    return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * kept
+
+
+def state_bytes(params: float, impl: Implementation = PAPER, n_data: int = 1) -> float:
+    """Bytes of weights and optimizer state for ``params`` parameters: :data:`STATE_BYTES`
+    each, or with the distributed optimizer the fp16 weights and gradients and the fp32
+    gradients whole and the fp32 master weights and Adam moments over #Data."""
+    if not impl.distributed_optimizer:
+        return STATE_BYTES * params
+    return (FP16 + FP16 + FP32) * params + 3 * FP32 * params / n_data
 
 
 def memory_per_gpu(
@@ -108,15 +133,19 @@ def memory_per_gpu(
     calibration: Calibration = CALIBRATION,
     hardware: Hardware = P3_16XLARGE,
     recompute: str = "none",
+    implementation: Implementation = PAPER,
+    n_data: int = 1,
 ) -> MemoryEstimate:
-    """Memory of one GPU of a stage: mixed-precision states (:data:`STATE_BYTES` per
-    parameter) and the activations of the whole minibatch (see the module docstring).
+    """Memory of one GPU of a stage: mixed-precision states (:func:`state_bytes`) and the
+    activations of the whole minibatch (see the module docstring), of the N layers only.
     With ``recompute="full"`` a stage keeps only each unit's input (fp16 hidden states)
     and rebuilds one unit's activations at a time inside its backward."""
+    check_recompute(recompute)
     cfg = get_config(model) if isinstance(model, str) else model
     layers_per_stage = cfg.n_layer // n_stages
-    states = STATE_BYTES * layers_per_stage * n_params_per_layer(cfg) / n_op
-    per_token, score_bytes = activation_rates(cfg, n_op)
+    params = layers_per_stage * n_params_per_layer(cfg) / n_op
+    states = state_bytes(params, implementation, n_data)
+    per_token, score_bytes = activation_rates(cfg, n_op, implementation, recompute)
     units = []  # (tokens, attention scores) of each unit
     for size, slices in zip(plan.batch_slices, plan.token_slices, strict=True):
         s = np.asarray(slices, dtype=float)
@@ -140,6 +169,8 @@ def stage_memory_on_cluster(
     versions: int | None = None,
     calibration: Calibration = CALIBRATION,
     hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
+    n_data: int = 1,
 ) -> MemoryEstimate:
     """Memory of one GPU of ``stage`` running ``schedule`` in the paper's implementation
     (see the module docstring). ``versions``: the weight versions it holds at once
@@ -147,16 +178,27 @@ def stage_memory_on_cluster(
     beyond the first adds an fp16 copy of the stage's weights. Activations: the most
     bytes kept by units forwarded and not yet backwarded on the stage (with virtual
     stages, on each chunk: its N / (vK) layers); with ``recompute="full"`` a unit keeps
-    only its input (fp16 hidden states, once per chunk) and its activations are
-    rebuilt, one unit at a time, inside its backward."""
+    only its input (fp16 hidden states, once per chunk, or once per layer with the
+    implementation's ``layer_checkpoints``) and its activations are rebuilt, one unit
+    at a time, inside its backward. With the model's ``ends`` the first and last stages
+    also hold the word embedding (the first the positions too) and the last keeps each
+    unit's logits until its backward."""
     check_recompute(recompute)
+    impl = implementation
     cfg = get_config(model) if isinstance(model, str) else model
     plan = schedule.plan
     params = cfg.n_layer // schedule.n_stages * n_params_per_layer(cfg) / n_op
+    last_part = schedule.n_parts - 1
+    if impl.ends:
+        words = padded_vocab(cfg.vocab_size, n_op) * cfg.hidden / n_op
+        first, last = schedule.placement[0], schedule.placement[-1]
+        params += words * ((stage == first) + (stage == last))
+        params += cfg.seq_len * cfg.hidden * (stage == first)
     layers = cfg.n_layer // schedule.n_parts  # what one chunk's units keep activations of
     held = held_versions(schedule)[stage] if versions is None else versions
-    states = STATE_BYTES * params + (held - 1) * FP16 * params
-    per_token, score_bytes = activation_rates(cfg, n_op)
+    states = state_bytes(params, impl, n_data) + (held - 1) * FP16 * params
+    per_token, score_bytes = activation_rates(cfg, n_op, impl, recompute)
+    logit_bytes = padded_vocab(cfg.vocab_size, n_op) / n_op * _LOGIT_KEPT if impl.ends else 0.0
 
     def tokens(u: Unit) -> int:
         return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
@@ -165,13 +207,19 @@ def stage_memory_on_cluster(
         end = plan.token_offset(u.b, u.t) + plan.token_slices[u.b][u.t]
         return layers * (tokens(u) * per_token + tokens(u) * end * score_bytes)
 
+    def logits(a: Action) -> float:
+        return tokens(a.unit) * logit_bytes if schedule.part(a) == last_part else 0.0
+
+    def checkpoint(a: Action) -> float:
+        kept = tokens(a.unit) * cfg.hidden * FP16
+        kept /= n_op if impl.sequence_parallel else 1
+        return kept * (layers if impl.layer_checkpoints else 1) + logits(a)
+
     actions = schedule.actions[stage]
     if recompute == "full":
-        acts = peak_in_flight(
-            actions,
-            kept=lambda a: tokens(a.unit) * cfg.hidden * FP16,
-            rebuilt=lambda a: full(a.unit),
-        )
+        acts = peak_in_flight(actions, kept=checkpoint, rebuilt=lambda a: full(a.unit))
+    elif impl.ends:
+        acts = peak_in_flight(actions, kept=lambda a: full(a.unit) + logits(a))
     else:
         acts = peak_in_flight(actions, kept=lambda a: full(a.unit))
     return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
@@ -186,13 +234,17 @@ def schedule_memory_per_gpu(
     versions: Sequence[int] | None = None,
     calibration: Calibration = CALIBRATION,
     hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
+    n_data: int = 1,
+    stages: Sequence[int] | None = None,
 ) -> tuple[MemoryEstimate, int]:
     """The GPU that needs the most memory running ``schedule``, and its stage: the
-    largest :func:`stage_memory_on_cluster` over the stages (``versions``: each stage's
-    held weight versions, when already counted)."""
+    largest :func:`stage_memory_on_cluster` over the stages (or over ``stages`` only;
+    ``versions``: each stage's held weight versions, when already counted)."""
     held = held_versions(schedule) if versions is None else versions
-    per_stage = [
-        stage_memory_on_cluster(
+    which = range(schedule.n_stages) if stages is None else stages
+    per_stage = {
+        k: stage_memory_on_cluster(
             model,
             schedule,
             k,
@@ -201,10 +253,12 @@ def schedule_memory_per_gpu(
             versions=held[k],
             calibration=calibration,
             hardware=hardware,
+            implementation=implementation,
+            n_data=n_data,
         )
-        for k in range(schedule.n_stages)
-    ]
-    worst = max(range(len(per_stage)), key=lambda k: per_stage[k].total)
+        for k in which
+    }
+    worst = max(per_stage, key=lambda k: per_stage[k].total)
     return per_stage[worst], worst
 
 
