@@ -211,7 +211,7 @@ def stage_memory_on_cluster(
         return tokens(a.unit) * logit_bytes if schedule.part(a) == last_part else 0.0
 
     def checkpoint(a: Action) -> float:
-        kept = tokens(a.unit) * cfg.hidden * FP16
+        kept = float(tokens(a.unit) * cfg.hidden * FP16)
         kept /= n_op if impl.sequence_parallel else 1
         return kept * (layers if impl.layer_checkpoints else 1) + logits(a)
 
