@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan",),
     ("schedule",),
     ("nn",),
-    ("paper",),
+    ("paper", "published"),
     ("sim",),
     ("planner", "cluster"),
     ("runtime",),

@@ -220,7 +220,7 @@ _DGX = dict(
     inter_node_latency=10e-6,
     memory_reserve=4 * 2**30,
 )
-DGX_A100_GEMM_EFFICIENCY = 0.75  # FITTED: see above (tplib.search.megatron_fit)
+DGX_A100_GEMM_EFFICIENCY = 0.71784  # FITTED: see above (tplib.search.megatron_fit)
 DGX_A100_CALIBRATION = Calibration(
     gemm_efficiency=DGX_A100_GEMM_EFFICIENCY,
     flash_efficiency=0.6,

@@ -47,11 +47,11 @@ from tplib.cluster.compute import (
     layer_wgrad_time,
 )
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
-from tplib.cluster.implementation import PAPER, Implementation
+from tplib.cluster.implementation import PAPER, Implementation, check_recompute
 from tplib.cluster.layout import check_layout
 from tplib.cluster.links import LayoutLinks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
-from tplib.nn.configs import GPTConfig, check_recompute, get_config
+from tplib.nn.configs import GPTConfig, get_config
 from tplib.paper import Setting
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices

@@ -41,9 +41,22 @@ __all__ = [
     "ATTENTION_SCORE_BYTES",
     "MEGATRON_2021",
     "PAPER",
+    "RECOMPUTES",
     "Attention",
     "Implementation",
+    "check_recompute",
 ]
+
+# What the cluster model prices: the runtime's modes (tplib.nn.configs) and selective
+# recomputation (Korthikanti et al. 2022).
+RECOMPUTES = ("none", "selective", "full")
+
+
+def check_recompute(mode: str) -> None:
+    """Raise ``ValueError`` unless the cluster model prices recomputation ``mode``."""
+    if mode not in RECOMPUTES:
+        raise ValueError(f"recompute={mode!r} is not a recompute mode: choose one of {RECOMPUTES}")
+
 
 Attention = Literal["unfused", "fused-softmax", "flash"]
 ATTENTIONS: tuple[Attention, ...] = ("unfused", "fused-softmax", "flash")

@@ -34,10 +34,9 @@ import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
-from tplib.cluster.implementation import PAPER, Implementation
+from tplib.cluster.implementation import PAPER, Implementation, check_recompute
 from tplib.nn.configs import (
     GPTConfig,
-    check_recompute,
     get_config,
     n_params_per_layer,
     padded_vocab,
@@ -217,7 +216,9 @@ def stage_memory_on_cluster(
 
     actions = schedule.actions[stage]
     if recompute == "full":
-        acts = peak_in_flight(actions, kept=checkpoint, rebuilt=lambda a: full(a.unit))
+        # The backward rebuilds one checkpoint's span at a time: a layer, or the chunk.
+        span = layers if impl.layer_checkpoints else 1
+        acts = peak_in_flight(actions, kept=checkpoint, rebuilt=lambda a: full(a.unit) / span)
     elif impl.ends:
         acts = peak_in_flight(actions, kept=lambda a: full(a.unit) + logits(a))
     else:
