@@ -134,9 +134,16 @@ class ClusterCostModel(LayoutLinks):
 
     @classmethod
     def for_setting(
-        cls, s: Setting, calibration: Calibration = CALIBRATION, recompute: str = "none"
+        cls,
+        s: Setting,
+        calibration: Calibration = CALIBRATION,
+        recompute: str = "none",
+        *,
+        hardware: Hardware = P3_16XLARGE,
+        implementation: Implementation = PAPER,
     ) -> ClusterCostModel:
-        """The model of Table-1 setting ``s`` (its model, K, #Op, #Data and L)."""
+        """The model of Table-1 setting ``s`` (its model, K, #Op, #Data and L), on the
+        paper's cluster unless ``hardware`` (with its ``calibration``) says otherwise."""
         return cls(
             s.config,
             n_stages=s.n_stages,
@@ -144,7 +151,9 @@ class ClusterCostModel(LayoutLinks):
             n_data=s.n_data,
             seq_len=s.seq_len,
             calibration=calibration,
+            hardware=hardware,
             recompute=recompute,
+            implementation=implementation,
         )
 
     def __repr__(self) -> str:

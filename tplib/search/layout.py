@@ -38,8 +38,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from tplib.cluster import CALIBRATION, Calibration, ClusterCostModel, check_layout
+from tplib.cluster import CALIBRATIONS, Calibration, ClusterCostModel, check_layout
 from tplib.cluster.hardware import CLUSTERS, FP16, Hardware
+from tplib.cluster.implementation import PAPER, Implementation
 from tplib.cluster.memory import STATE_BYTES, activation_rates
 from tplib.nn.configs import RECOMPUTE_MODES, GPTConfig, get_config, n_params_per_layer
 from tplib.partition.chain import DoesNotFit
@@ -158,12 +159,17 @@ def layouts(
 
 
 def _memory_floor(
-    cfg: GPTConfig, layout: Layout, seq_len: int, pipeline_batch: int, cal: Calibration
+    cfg: GPTConfig,
+    layout: Layout,
+    seq_len: int,
+    pipeline_batch: int,
+    cal: Calibration,
+    impl: Implementation = PAPER,
 ) -> float:
     """The least memory per GPU any plan of ``layout`` needs (see the module docstring)."""
     layers = cfg.n_layer // layout.n_stages
     states = STATE_BYTES * layers * n_params_per_layer(cfg) / layout.n_op
-    per_token, score_bytes = activation_rates(cfg, layout.n_op)
+    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl)
     tokens = pipeline_batch * seq_len
     if layout.recompute == "full":
         acts: float = tokens * cfg.hidden * FP16
@@ -216,16 +222,23 @@ def autoplan(
     memory_gib: float | None = None,
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
     eps: float = EPS,
-    calibration: Calibration = CALIBRATION,
+    calibration: Calibration | None = None,
+    implementation: Implementation | None = None,
 ) -> Search:
     """The fastest layout of ``model`` on ``n_gpus`` GPUs of ``cluster`` for a global
     batch of ``batch`` sequences that fits in memory (``memory_gib`` per GPU overrides
-    the cluster's). Raises ``ValueError`` for input no layout can take, and
-    :class:`~tplib.partition.chain.DoesNotFit` when none fits, naming the closest."""
+    the cluster's). ``calibration``: the cluster's by default; ``implementation``: the
+    paper's, with FlashAttention-2 where the cluster runs it. Raises ``ValueError`` for
+    input no layout can take, and :class:`~tplib.partition.chain.DoesNotFit` when none
+    fits, naming the closest."""
     cfg = get_config(model) if isinstance(model, str) else model
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster={cluster!r}: known clusters are {sorted(CLUSTERS)}")
     hw = CLUSTERS[cluster]
+    calibration = calibration or CALIBRATIONS[cluster]
+    if implementation is None:
+        flash = calibration.flash_efficiency is not None
+        implementation = Implementation(attention="flash") if flash else PAPER
     if memory_gib is not None:
         if not memory_gib > 0:
             raise ValueError(f"memory_gib={memory_gib}: a GPU's memory must be > 0 GiB")
@@ -256,13 +269,14 @@ def autoplan(
         costs[lay] = ClusterCostModel(
             cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, seq_len=L,
             calibration=calibration, hardware=hw, recompute=lay.recompute,
+            implementation=implementation,
         )  # fmt: skip
         floors[lay] = latency_floor(costs[lay], batch // lay.n_data)
     out: list[Candidate] = []
     best: float = math.inf
     for lay in sorted(found, key=floors.__getitem__):
         b = batch // lay.n_data
-        mem_floor = _memory_floor(cfg, lay, L, b, calibration)
+        mem_floor = _memory_floor(cfg, lay, L, b, calibration, implementation)
         if mem_floor > hw.gpu_memory:
             out.append(Candidate(lay, "out of memory", floors[lay], mem_floor))
         elif floors[lay] >= best:

@@ -323,4 +323,3 @@ def predict(run: MegatronRun, calibration: Calibration | None = None) -> Predict
         bubble_fraction=bubble,
         simulated_microbatches=simulated,
     )
-

@@ -28,6 +28,8 @@ from typing import Literal, cast
 import pandas as pd
 
 from tplib.cluster import CALIBRATION, FIT_STAGES, Calibration, ClusterCostModel
+from tplib.cluster.hardware import P3_16XLARGE, Hardware
+from tplib.cluster.implementation import PAPER, Implementation
 from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.paper import TERAPIPE, PaperResult, Setting, main_row, seqlen_row, setting
 from tplib.plan import Plan
@@ -81,8 +83,18 @@ def tflops_per_gpu(s: Setting, latency: float, seq_len: int | None = None) -> fl
     return paper_flops(s, seq_len) / latency / s.n_gpus / 1e12
 
 
-def cost_model(s: Setting, calibration: Calibration = CALIBRATION) -> ClusterCostModel:
-    return ClusterCostModel.for_setting(s, calibration)
+def cost_model(
+    s: Setting,
+    calibration: Calibration = CALIBRATION,
+    *,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
+) -> ClusterCostModel:
+    """Setting ``s``'s layout on ``hardware`` (the paper's p3.16xlarge nodes by default,
+    with their calibration) running ``implementation``."""
+    return ClusterCostModel.for_setting(
+        s, calibration, hardware=hardware, implementation=implementation
+    )
 
 
 def simulate_on_cluster(
@@ -91,12 +103,20 @@ def simulate_on_cluster(
     schedule: str = "terapipe",
     *,
     calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
     validate: bool = False,
 ) -> SimResult:
     """Simulate plan ``p`` as ``schedule`` on setting ``s``'s cluster model (without
     validating the schedule by default: see :func:`tplib.sim.simulate.simulate_schedule`)."""
     p.check_covers(s.pipeline_batch, s.seq_len)
-    return simulate_schedule(schedule, s.n_stages, p, cost_model(s, calibration), validate=validate)
+    return simulate_schedule(
+        schedule,
+        s.n_stages,
+        p,
+        cost_model(s, calibration, hardware=hardware, implementation=implementation),
+        validate=validate,
+    )
 
 
 def plan_terapipe(
@@ -105,6 +125,8 @@ def plan_terapipe(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
     cost: SliceCostModel | None = None,
     n_chunks: int = 1,
 ) -> Plan:
@@ -113,7 +135,9 @@ def plan_terapipe(
     for the token slices interleaved over v chunks per stage (the cluster model of the
     interleaved placement by default)."""
     if cost is None:
-        cost = cost_model(s, calibration).placed(interleaved(s.n_stages, n_chunks))
+        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation).placed(
+            interleaved(s.n_stages, n_chunks)
+        )
     return plan_slices(
         cost,
         seq_len=s.seq_len,
@@ -133,6 +157,8 @@ def simulate_setting(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
 ) -> dict[str, object]:
     """Setting ``(n)`` (or its Table-4 variant at ``seq_len``) without and with TeraPipe:
     latencies, speedup, the plan and what the simulator saw; and the paper's own TeraPipe
@@ -143,14 +169,30 @@ def simulate_setting(
     paper_t = seqlen_row(s.seq_len, TERAPIPE) if s.seq_len != 2048 else main_row(n, TERAPIPE)
     fitted = s.seq_len == 2048 and any(n in rows for _, rows in FIT_STAGES)
     t0 = time.perf_counter()
-    p = plan_terapipe(s, method=method, eps=eps, calibration=calibration)
+    p = plan_terapipe(
+        s,
+        method=method,
+        eps=eps,
+        calibration=calibration,
+        hardware=hardware,
+        implementation=implementation,
+    )
     t_plan = time.perf_counter() - t0
-    gpipe = simulate_on_cluster(s, s.gpipe_plan(), "gpipe", calibration=calibration)
-    tera = simulate_on_cluster(s, p, "terapipe", calibration=calibration)
-    memory = cost_model(s, calibration).memory(p)
+    gpipe = simulate_on_cluster(
+        s,
+        s.gpipe_plan(),
+        "gpipe",
+        calibration=calibration,
+        hardware=hardware,
+        implementation=implementation,
+    )
+    tera = simulate_on_cluster(
+        s, p, "terapipe", calibration=calibration, hardware=hardware, implementation=implementation
+    )
+    memory = cost_model(s, calibration, hardware=hardware, implementation=implementation).memory(p)
     # Beyond the paper: split backwards, planned by the zero-bubble objective.
     pz = plan_zero_bubble(
-        cost_model(s, calibration),
+        cost_model(s, calibration, hardware=hardware, implementation=implementation),
         seq_len=s.seq_len,
         batch=s.pipeline_batch,
         n_stages=s.n_stages,
@@ -158,7 +200,9 @@ def simulate_setting(
         eps=eps,
     )
     zb = {
-        name: simulate_on_cluster(s, pz, name, calibration=calibration).latency
+        name: simulate_on_cluster(
+            s, pz, name, calibration=calibration, hardware=hardware, implementation=implementation
+        ).latency
         for name in ("terapipe-zb", "1f1b-zb")
     }
     return setting_fields(s) | {
@@ -205,6 +249,8 @@ def simulate_virtual(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
 ) -> dict[str, object]:
     """Setting ``s`` with virtual stages (see the module docstring): for each schedule of
     :data:`VIRTUAL`, the v of least simulated latency among :func:`chunk_choices`, its
@@ -212,11 +258,23 @@ def simulate_virtual(
     for (K - 1) / v; ``terapipe``, TeraPipe's own, when v = 1). ``note_<schedule>`` says
     which v could not run: interleaving needs as many units per iteration as stages
     (Megatron's rule). Columns are named by schedule, with ``-`` as ``_``."""
-    plans = {1: terapipe or plan_terapipe(s, method=method, eps=eps, calibration=calibration)}
+    plans = {
+        1: terapipe
+        or plan_terapipe(
+            s,
+            method=method,
+            eps=eps,
+            calibration=calibration,
+            hardware=hardware,
+            implementation=implementation,
+        )
+    }
     best: dict[str, tuple[float, int, Plan, float]] = {}
     notes: dict[str, list[str]] = {name: [] for name in VIRTUAL}
     for v in chunk_choices(s):
-        cost = cost_model(s, calibration).placed(interleaved(s.n_stages, v))
+        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation).placed(
+            interleaved(s.n_stages, v)
+        )
         if v not in plans:
             plans[v] = plan_terapipe(s, method=method, eps=eps, calibration=calibration, n_chunks=v)
         for name, one in VIRTUAL.items():
@@ -232,7 +290,13 @@ def simulate_virtual(
             latency = simulate(schedule, cost).latency
             if name not in best or latency < best[name][0]:
                 memory, _ = schedule_memory_per_gpu(
-                    s.config, schedule, n_op=s.n_op, calibration=calibration
+                    s.config,
+                    schedule,
+                    n_op=s.n_op,
+                    calibration=calibration,
+                    hardware=hardware,
+                    implementation=implementation,
+                    n_data=s.n_data,
                 )
                 best[name] = (latency, v, plan, memory.total / 2**30)
     row: dict[str, object] = {}
@@ -293,6 +357,8 @@ def compare_joint_methods(
     settings: Iterable[int] = range(1, 11),
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
+    hardware: Hardware = P3_16XLARGE,
+    implementation: Implementation = PAPER,
 ) -> pd.DataFrame:
     """The paper's joint DP (knapsack over per-batch-slice T_b, which counts the
     (K - 1) t_max fill once per batch slice) against the exact one (one t_max shared by
@@ -301,16 +367,25 @@ def compare_joint_methods(
     rows = []
     for n in settings:
         s = setting(n)
-        cost = cost_model(s, calibration)
+        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation)
         row: dict[str, object] = {"setting": n, "model": s.model}
         latency, simulated = {}, {}
         for method in ("paper", "exact"):
             t0 = time.perf_counter()
-            p = plan_terapipe(s, method=method, eps=eps, calibration=calibration)
+            p = plan_terapipe(
+                s,
+                method=method,
+                eps=eps,
+                calibration=calibration,
+                hardware=hardware,
+                implementation=implementation,
+            )
             row[f"plan_seconds_{method}"] = time.perf_counter() - t0
             row[f"plan_{method}"] = p.to_paper()
             latency[method] = pipeline_latency(p, cost, s.n_stages)
-            simulated[method] = simulate_on_cluster(s, p, calibration=calibration).latency
+            simulated[method] = simulate_on_cluster(
+                s, p, calibration=calibration, hardware=hardware, implementation=implementation
+            ).latency
             row[f"latency_{method}"] = latency[method]
             row[f"simulated_{method}"] = simulated[method]
         row["paper_over_exact"] = latency["paper"] / latency["exact"]
