@@ -19,6 +19,8 @@ command        what it does
 ``schedule``   schedules in torch.distributed.pipelining's action CSV: ``export`` a
                registered one, ``import`` and check torch's, ``show`` either's grid and
                simulated latency
+``predict``    a Megatron-style GPT run on a cluster (DGX A100, DGX H100, p3.16xlarge):
+               iteration time, TFLOPS per GPU, MFU, memory
 =============  ===========================================================================
 
 Each command is one small function from parsed arguments to an exit code, registered in
@@ -36,7 +38,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tplib.cli.partitioning import autoplan_command, partition_command
-from tplib.cli.predict import plan_command, profile_command, simulate_command
+from tplib.cli.planning import plan_command, profile_command, simulate_command
+from tplib.cli.predict import add_predict
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.cli.schedule import export_command, import_command, show_command
 from tplib.nn.configs import PRECISIONS
@@ -358,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layouts(sub)
     _add_runs(sub)
     _add_schedule(sub)
+    add_predict(sub, COUNT, _rate)
     return parser
 
 

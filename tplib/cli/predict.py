@@ -1,253 +1,101 @@
-"""The numpy-only commands: ``profile`` (the one that times, with torch), ``plan`` and
-``simulate``. ``plan`` and ``simulate`` never import torch: they start in a fraction of
-a second."""
+"""``predict``: what a Megatron-style GPT training run costs on a cluster.
+
+``python -m tplib predict --cluster dgx-h100 --gpus 512 --layers 96 --hidden 12288
+--heads 96 --tp 8 --pp 8 --interleave 4 --batch 1536 --microbatch 1 --recompute selective
+--sequence-parallel --distributed-optimizer`` prints the iteration time, TFLOPS per GPU
+and MFU (Narayanan et al. 2021's FLOP formula, stated in the output), the busiest GPU's
+memory and whether it fits; ``--json`` gives the same as one JSON object
+(``iteration_s``, ``tflops_per_gpu``, ``mfu``, ``memory_gib``, ``fits`` and more). The
+run is checked whole first (:class:`~tplib.search.megatron.MegatronRun`): a rule it
+breaks is named and the command exits with 2. Numpy only: no torch is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
-from typing import TYPE_CHECKING, Any, cast
 
-from tplib.plan import Plan
-from tplib.planner import best_uniform, pipeline_latency, plan_slices
-from tplib.sim.costs import SliceCostModel
+from tplib.cluster.hardware import CLUSTERS
+from tplib.cluster.implementation import ATTENTIONS, RECOMPUTES
+from tplib.search.megatron import SCHEDULES, MegatronRun, predict
 
-if TYPE_CHECKING:
-    from tplib.perfmodel import Profile
+__all__ = ["add_predict", "predict_command"]
 
-__all__ = ["plan_command", "profile_command", "simulate_command"]
-
-
-def profile_command(args: argparse.Namespace) -> int:
-    import torch  # times with torch: import only when asked
-
-    from tplib.nn.configs import get_config
-    from tplib.perfmodel import profile_stage
-
-    cfg = get_config(args.model)
-    if args.layers > cfg.n_layer:  # the timer would build them all (10**20 filled memory)
-        raise ValueError(
-            f"--layers {args.layers} is more than {cfg.name}'s {cfg.n_layer} layers: a stage "
-            "holds at most the whole model"
-        )
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # What a run of the model does: fp16 on a GPU (the paper's V100 recipe, `run`'s
-    # default), fp32 on CPU; the model's dropout (profile_stage's None).
-    precision = args.dtype or ("fp16" if device.startswith("cuda") else "fp32")
-    prof = profile_stage(
-        args.model,
-        layers_per_stage=args.layers,
-        seq_len=args.seq_len,
-        max_batch_slice_size=args.batch,
-        granularity=args.granularity,
-        repeats=args.repeats,
-        rounds=args.rounds,
-        device=device,
-        precision=precision,
-        dropout=args.dropout,
-        attention=args.attention,
-        link_bandwidth=args.link_bandwidth,
-        link_latency=args.link_latency,
-        threads=args.threads,
-        progress=not args.quiet,
-    )
-    prof.save(args.out)
-    print(
-        f"profiled {prof.config.name}: {prof.layers_per_stage} layer(s) on {prof.timed()}, "
-        f"L={prof.seq_len}, g={prof.granularity}, "
-        f"batch slice sizes {list(prof.batch_slice_sizes)} -> {args.out}"
-    )
-    errors = zip(prof.batch_slice_sizes, prof.holdout_error, prof.holdout_error_ctx, strict=True)
-    for b, e, e_ctx in errors:
-        print(f"  b={b}: Eq. 9 held-out error {e:.2%} of t(b,l,c), {e_ctx:.2%} of the overhead")
-    return 0
+_FORMULA = {
+    True: "96 B s l h^2 (1 + s/6h + V/16lh), with recomputation's extra forward",
+    False: "72 B s l h^2 (1 + s/6h + V/12lh)",
+}
 
 
-def _slices(p: Plan) -> dict[str, Any]:
-    return {
-        "batch_slices": list(p.batch_slices),
-        "token_slices": [list(t) for t in p.token_slices],
-        "paper": p.to_paper(),
-    }
+def add_predict(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    count: object,
+    rate: object,
+) -> None:
+    """Register ``predict`` (``count``: the CLI's positive-integer type; ``rate``: its
+    dropout-rate type)."""
+    p = sub.add_parser("predict", help="a Megatron-style GPT run priced on a cluster")
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), required=True)
+    p.add_argument("--gpus", type=count, required=True, help="N, whole nodes")  # type: ignore[arg-type]
+    for name, what in (("layers", "l"), ("hidden", "h"), ("heads", "a")):
+        p.add_argument(f"--{name}", type=count, required=True, help=what)  # type: ignore[arg-type]
+    p.add_argument("--vocab", type=count, default=51200, help="V (default 51200)")  # type: ignore[arg-type]
+    p.add_argument("--seq-len", type=count, default=2048, help="s (default 2048)")  # type: ignore[arg-type]
+    p.add_argument("--tp", type=count, default=1, help="T, tensor parallel (#Op)")  # type: ignore[arg-type]
+    p.add_argument("--pp", type=count, default=1, help="P, pipeline stages (#Pipe)")  # type: ignore[arg-type]
+    p.add_argument("--batch", type=count, required=True, help="B, global batch")  # type: ignore[arg-type]
+    p.add_argument("--microbatch", type=count, default=1, help="m (default 1)")  # type: ignore[arg-type]
+    p.add_argument("--interleave", type=count, default=1, help="v chunks per stage")  # type: ignore[arg-type]
+    p.add_argument("--recompute", choices=RECOMPUTES, default="none")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--schedule", choices=SCHEDULES, help="default: 1f1b, or interleaved")
+    p.add_argument("--attention", choices=ATTENTIONS, help="default: flash where it runs")
+    p.add_argument("--dropout", type=rate, default=0.1, help="default 0.1")  # type: ignore[arg-type]
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=predict_command)
 
 
-def _report(
-    args: argparse.Namespace,
-    header: str,
-    meta: dict[str, Any],
-    cost: SliceCostModel,
-    p: Plan,
-    uni: Plan,
-    n_stages: int,
-    plan_seconds: float,
-) -> int:
-    """Print the plan beside the best uniform slicing, both on the same yardstick: the
-    fill-drain latency sum t + (K - 1) max t. For method="paper" the planner's own
-    objective (Plan.latency) differs and is reported as ``objective``."""
-    latency = pipeline_latency(p, cost, n_stages)
-    uni_latency = pipeline_latency(uni, cost, n_stages)
-    out = {
-        **meta,
-        "method": args.method,
-        "eps": args.eps,
-        **_slices(p),
-        "latency": latency,
-        "objective": p.latency,
-        "t_max": p.t_max,
-        "plan_seconds": plan_seconds,
-        "uniform": {**_slices(uni), "latency": uni_latency},
-        "speedup_vs_uniform": uni_latency / latency,
-    }
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(header)
-    print(f"  plan ({args.method}): {p.to_paper()}")
-    print(f"  predicted latency {latency:.4g} s (planned in {plan_seconds:.3f} s)")
-    print(f"  best uniform: {uni.to_paper()}: {uni_latency:.4g} s")
-    print(f"  uniform / plan = {uni_latency / latency:.3f}")
-    return 0
-
-
-def _plan_setting(args: argparse.Namespace) -> int:
-    from tplib.paper import setting
-    from tplib.search.setting import GRANULARITY, cost_model, plan_terapipe
-
-    s = setting(args.setting, args.seq_len)
-    cost = cost_model(s)
-    t0 = time.perf_counter()
-    p = plan_terapipe(s, method=args.method, eps=args.eps)
-    seconds = time.perf_counter() - t0
-    uni = best_uniform(cost, s.seq_len, s.pipeline_batch, s.n_stages, 1, GRANULARITY)
-    meta = {
-        "setting": args.setting,
-        "model": s.model,
-        "cost_model": "V100 cluster (tplib.cluster)",
-        "seq_len": s.seq_len,
-        "pipeline_batch": s.pipeline_batch,
-        "n_stages": s.n_stages,
-        "n_op": s.n_op,
-        "n_data": s.n_data,
-    }
-    header = (
-        f"setting ({args.setting}) {s.model}: L={s.seq_len}, B={s.pipeline_batch} per "
-        f"pipeline, K={s.n_stages}, #Op={s.n_op}, #Data={s.n_data}; V100-cluster model"
-    )
-    return _report(args, header, meta, cost, p, uni, s.n_stages, seconds)
-
-
-def _best_uniform_sizes(cost: Any, seq_len: int, batch: int, n_stages: int, g: int) -> Plan:
-    """The best uniform slicing over every profiled batch-slice size dividing the batch."""
-    sizes = [b for b in cost.batch_slice_sizes if batch % b == 0]
-    if not sizes:
-        raise ValueError(
-            f"no profiled batch slice size {list(cost.batch_slice_sizes)} divides "
-            f"batch={batch}: uniform slicing needs equal batch slices"
-        )
-    plans = [best_uniform(cost, seq_len, batch, n_stages, b, g) for b in sizes]
-    return min(plans, key=lambda u: pipeline_latency(u, cost, n_stages))
-
-
-# What plan takes only with --profile; with --setting they used to be ignored in silence.
-_PROFILE_ONLY = ("batch", "stages", "granularity", "max_batch_slice_size")
-
-
-def plan_command(args: argparse.Namespace) -> int:
-    from tplib.perfmodel import Profile
-
-    if (args.profile is None) == (args.setting is None):
-        raise ValueError("give exactly one of --profile FILE or --setting N")
-    if args.setting is not None:
-        given = [f"--{n.replace('_', '-')}" for n in _PROFILE_ONLY if getattr(args, n) is not None]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only to "
-                "--profile: a paper setting fixes its batch, stages and grid"
-            )
-        return _plan_setting(args)
-    for name in ("seq_len", "batch", "stages"):
-        if getattr(args, name) is None:
-            raise ValueError(f"--{name.replace('_', '-')} is required with --profile")
-    try:
-        prof = Profile.load(args.profile)
-    except OSError as exc:
-        raise ValueError(f"cannot read profile {args.profile}: {exc.strerror or exc}") from None
-    g = prof.granularity if args.granularity is None else args.granularity
-    t0 = time.perf_counter()
-    p = plan_slices(
-        prof,
-        seq_len=args.seq_len,
+def predict_command(args: argparse.Namespace) -> int:
+    run = MegatronRun(
+        cluster=args.cluster,
+        gpus=args.gpus,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
         batch=args.batch,
-        n_stages=args.stages,
-        granularity=g,
-        eps=args.eps,
-        method=args.method,
-        max_batch_slice_size=args.max_batch_slice_size,
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        tp=args.tp,
+        pp=args.pp,
+        microbatch=args.microbatch,
+        interleave=args.interleave,
+        recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        schedule=args.schedule,
+        attention=args.attention,
+        dropout=args.dropout,
     )
-    seconds = time.perf_counter() - t0
-    uni = _best_uniform_sizes(prof, args.seq_len, args.batch, args.stages, g)
-    meta = {
-        "profile": str(args.profile),
-        "model": prof.config.name,
-        "device": prof.device,
-        "precision": prof.precision,
-        "attention": prof.attention,
-        "dropout": prof.dropout,
-        "seq_len": args.seq_len,
-        "pipeline_batch": args.batch,
-        "n_stages": args.stages,
-        "granularity": g,
-    }
-    header = (
-        f"profile {args.profile} ({prof.config.name} on {prof.timed()}): K={args.stages}, "
-        f"L={args.seq_len}, B={args.batch}, g={g}"
-    )
-    _warn_dropout(args.profile, prof)
-    return _report(args, header, meta, prof, p, uni, args.stages, seconds)
-
-
-def _warn_dropout(path: str, prof: Profile) -> None:
-    """A run of the profiled model trains with its dropout: say so when the profile timed
-    another rate (the precision and device a run will use are not known here)."""
-    if prof.dropout != prof.config.dropout:
-        print(
-            f"warning: profile {path} timed dropout {prof.dropout:g}, but "
-            f"{prof.config.name} trains with dropout {prof.config.dropout:g}: a run of it "
-            "pays another cost than the plan is priced on (re-profile with --dropout "
-            f"{prof.config.dropout:g})",
-            file=sys.stderr,
-        )
-
-
-def simulate_command(args: argparse.Namespace) -> int:
-    from tplib.paper import GPIPE, TERAPIPE, main_row, seqlen_row
-    from tplib.search.setting import beside_paper, simulate_setting
-
-    r = simulate_setting(args.setting, seq_len=args.seq_len, method=args.method, eps=args.eps)
-    # Setting (5) at L = 2048 is in Tables 2 and 4 alike; Table 2 is the one it belongs to.
-    seq_len = cast(int, r["seq_len"])
-    if seq_len == 2048:
-        g, t = main_row(args.setting, GPIPE), main_row(args.setting, TERAPIPE)
-    else:
-        g, t = seqlen_row(seq_len, GPIPE), seqlen_row(seq_len, TERAPIPE)
-    r = beside_paper(r, g, t)
+    p = predict(run)
     if args.json:
-        print(json.dumps(r, default=float))
+        print(json.dumps(p.as_dict(), indent=1))
         return 0
+    counted = _FORMULA[run.recompute == "full"]
     print(
-        f"setting ({args.setting}) {r['model']}: L={r['seq_len']}, B={r['pipeline_batch']} per "
-        f"pipeline, K={r['n_stages']}, #Op={r['n_op']}, #Data={r['n_data']}"
+        f"{run.cluster}: {run.gpus} GPUs, T={run.tp} P={run.pp} #Data={run.n_data}"
+        + (f" v={run.interleave}" if run.interleave > 1 else "")
+        + f"; {run.microbatches} microbatches of {run.microbatch} per pipeline; "
+        f"{run.schedule_name}, attention {run.implementation.attention}, "
+        f"recompute {run.recompute}"
+        + (", sequence parallel" if run.sequence_parallel else "")
+        + (", distributed optimizer" if run.distributed_optimizer else "")
     )
-    rows = [
-        ("", "ours (simulated V100 cluster)", f"paper's reference (Table {t.table}, measured)"),
-        ("w/o TeraPipe (GPipe)", f"{r['latency_gpipe']:.4f} s", f"{g.latency:.3f} s"),
-        ("w/  TeraPipe (DP)", f"{r['latency_terapipe']:.4f} s", f"{t.latency:.3f} s"),
-        ("speedup", f"{r['speedup']:.2f}x", f"{r['paper_speedup']:.2f}x"),
-    ]
-    for name, ours, paper in rows:
-        print(f"  {name:<21} {ours:<30} {paper}")
-    print(f"  our plan:     {r['plan']}; TFLOPS per GPU {r['tflops_per_gpu']:.3f}")
-    print(f"  paper's plan: {t.scheme}")
+    print(f"  iteration   {p.iteration_s:.3f} s (bubble {p.bubble_fraction:.1%})")
+    print(f"  TFLOPS/GPU  {p.tflops_per_gpu:.1f}   FLOPs: Narayanan et al. 2021, {counted}")
+    print(f"  MFU         {p.mfu:.1%}   model FLOPs {_FORMULA[False]} / dense peak")
+    fits = "fits" if p.fits else "does NOT fit"
+    print(f"  memory      {p.memory_gib:.1f} GiB of {p.capacity_gib:.0f} GiB per GPU: {fits}")
     return 0
