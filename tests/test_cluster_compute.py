@@ -9,10 +9,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tplib.cluster import CALIBRATION, P3_16XLARGE
+from tplib.cluster import (
+    CALIBRATION,
+    CALIBRATIONS,
+    DGX_A100,
+    P3_16XLARGE,
+    ClusterCostModel,
+    Implementation,
+)
 from tplib.cluster.compute import (
     DROPOUT_SCORE_BYTES,
     DROPOUT_TOKEN_ELEMS,
+    attention_core_time,
+    flash_times,
     gemm_time,
     hbm_rate,
     layer_times,
@@ -92,3 +101,60 @@ def test_dropout_traffic_is_charged_only_when_the_model_drops() -> None:
     bwd = (2 * token_bytes + scores * DROPOUT_SCORE_BYTES) / hbm
     np.testing.assert_allclose(with_drop[0] - without[0], fwd, rtol=1e-9)
     np.testing.assert_allclose(with_drop[1] - without[1], bwd, rtol=1e-9)
+
+
+# ---- modern implementations (tplib.cluster.implementation) ---------------------------
+
+
+def _dgx_times(impl: Implementation, recompute: str = "none", n_op: int = 8) -> tuple[float, float]:
+    cost = ClusterCostModel(
+        get_config("GPT3-13B"), n_stages=1, n_op=n_op, calibration=CALIBRATIONS["dgx-a100"],
+        hardware=DGX_A100, implementation=impl, recompute=recompute,
+    )  # fmt: skip
+    fwd, bwd = cost.stage_times(1, np.array([2048.0]), np.array([0.0]))
+    return float(fwd[0]), float(bwd[0])
+
+
+def test_flash_attention_writes_no_scores_and_is_faster_than_written_out() -> None:
+
+    flash = _dgx_times(Implementation(attention="flash"))
+    fused = _dgx_times(Implementation(attention="fused-softmax"))
+    unfused = _dgx_times(Implementation())
+    assert flash[0] < fused[0] < unfused[0]
+    assert flash[1] < fused[1] < unfused[1]
+
+
+def test_flash_attention_does_the_causal_half_and_a_backward_of_two_and_a_half() -> None:
+
+    cal = CALIBRATIONS["dgx-a100"]
+    assert cal.flash_efficiency is not None
+    fwd, bwd = flash_times(4, 128, np.array([1024.0]), np.array([0.0]), cal=cal, hw=DGX_A100)
+    causal = 4 * 4 * 128 * 1024 * (1024 + 1) / 2  # 2 products x 2 FLOPs, half the pairs
+    assert float(fwd[0]) == pytest.approx(causal / (cal.flash_efficiency * 312e12))
+    assert float(bwd[0]) == pytest.approx(2.5 * float(fwd[0]))
+    with pytest.raises(ValueError, match="no flash_efficiency"):
+        flash_times(4, 128, np.array([8.0]), np.array([0.0]), cal=CALIBRATION, hw=DGX_A100)
+
+
+def test_selective_recomputation_costs_the_attention_core_or_nothing_with_flash() -> None:
+
+    fused = Implementation(attention="fused-softmax")
+    none, sel = _dgx_times(fused), _dgx_times(fused, "selective")
+    full = _dgx_times(fused, "full")
+    core = attention_core_time(
+        get_config("GPT3-13B"), 8, 1, np.array([2048.0]), np.array([0.0]),
+        cal=CALIBRATIONS["dgx-a100"], hw=DGX_A100, impl=fused,
+    )  # fmt: skip
+    assert sel[1] - none[1] == pytest.approx(40 * float(core[0]))  # 40 layers
+    assert none[1] < sel[1] < full[1]
+    flash = Implementation(attention="flash")
+    assert _dgx_times(flash, "selective") == _dgx_times(flash)
+
+
+def test_sequence_parallelism_splits_the_replicated_elementwise_work() -> None:
+
+    plain = _dgx_times(Implementation(attention="flash"))
+    sp = _dgx_times(Implementation(attention="flash", sequence_parallel=True))
+    assert sp[0] < plain[0] and sp[1] < plain[1]
+    with pytest.raises(ValueError, match="needs #Op > 1"):
+        _dgx_times(Implementation(sequence_parallel=True), n_op=1)

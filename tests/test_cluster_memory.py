@@ -7,8 +7,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tplib.cluster import ClusterCostModel, memory_per_gpu
-from tplib.cluster.memory import peak_in_flight, schedule_memory_per_gpu, stage_memory_on_cluster
+from tplib.cluster import CALIBRATIONS, DGX_A100, ClusterCostModel, Implementation, memory_per_gpu
+from tplib.cluster.memory import (
+    activation_rates,
+    peak_in_flight,
+    schedule_memory_per_gpu,
+    stage_memory_on_cluster,
+    state_bytes,
+)
 from tplib.cluster.runtime_memory import stage_memory
 from tplib.nn.bytecount import gradient_bytes, parameter_bytes
 from tplib.nn.configs import GPTConfig, get_config, n_params_per_layer
@@ -376,3 +382,48 @@ def test_peak_in_flight_keeps_a_unit_on_each_chunk_apart() -> None:
     assert peak_in_flight(actions, _kept) == 2.0  # unit b0 t0 held twice, once per chunk
     actions += [Action(Kind.B, 0, 0, 0, chunk=1), Action(Kind.F, 0, 1, 0)]
     assert peak_in_flight(actions, _kept) == 1001.0  # chunk 0 still holds b0 t0
+
+
+# ---- modern implementations: what each keeps --------------------------------------
+
+
+def _megatron_memory(impl: Implementation, recompute: str = "none", n_data: int = 4) -> float:
+    cfg = get_config("GPT3-13B")
+    schedule = make_schedule("1f1b", 4, Plan.gpipe(8, 2048))
+    estimate, _ = schedule_memory_per_gpu(
+        cfg, schedule, n_op=8, recompute=recompute, hardware=DGX_A100,
+        calibration=CALIBRATIONS["dgx-a100"], implementation=impl, n_data=n_data,
+    )  # fmt: skip
+    return estimate.total
+
+
+def test_the_distributed_optimizer_shards_master_weights_and_moments() -> None:
+    params = 1e9
+    assert state_bytes(params) == 20 * params
+    assert (
+        state_bytes(params, Implementation(distributed_optimizer=True), 4) == (8 + 12 / 4) * params
+    )
+    sharded = Implementation(distributed_optimizer=True)
+    plain = _megatron_memory(Implementation())
+    stage_params = 40 // 4 * n_params_per_layer(get_config("GPT3-13B")) / 8  # K 4, #Op 8
+    assert plain - _megatron_memory(sharded) == pytest.approx((20 - 8 - 12 / 4) * stage_params)
+
+
+def test_scores_kept_by_each_attention_and_none_under_selective_recomputation() -> None:
+    cfg = get_config("GPT3-13B")
+    per_score = {
+        attention: activation_rates(cfg, 8, Implementation(attention=attention))[1]
+        for attention in ("unfused", "fused-softmax", "flash")
+    }
+    heads = cfg.n_head / 8
+    assert per_score == {"unfused": heads * 6, "fused-softmax": heads * 5, "flash": 0.0}
+    fused = Implementation(attention="fused-softmax")
+    assert activation_rates(cfg, 8, fused, "selective")[1] == 0
+    assert _megatron_memory(fused, "selective") < _megatron_memory(fused)
+
+
+def test_sequence_parallelism_splits_the_replicated_activations() -> None:
+    cfg = get_config("GPT3-13B")
+    plain = activation_rates(cfg, 8, Implementation(attention="flash"))[0]
+    sp = activation_rates(cfg, 8, Implementation(attention="flash", sequence_parallel=True))[0]
+    assert plain - sp == pytest.approx(cfg.hidden * 2 * 5 * (1 - 1 / 8))
