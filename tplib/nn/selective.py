@@ -20,8 +20,9 @@ The recomputed core's tensors live only while that layer's backward runs, one la
 one unit at a time; they are saved under the hooks active in backward, so a
 :class:`~tplib.runtime.memory.MemoryMeter` counts them, as
 :mod:`tplib.cluster.runtime_memory` does. The written-out attention (with dropout) drops
-its scores, softmax, mask and dropped probabilities this way; the fused kernels keep no
-scores in the first place, and drop only their output and log-sum-exp.
+its scores, softmax, masks and dropped probabilities this way; the fused kernels keep no
+scores in the first place, and drop their log-sum-exp (and their output, where the output
+projection reads a copy of it rather than a view).
 """
 
 from __future__ import annotations
