@@ -359,7 +359,7 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
     [
         (["--dtype", "fp16"], "precision 'fp16' needs device='cuda', got device='cpu'"),
         (["--op", "3"], "n_op=3 must divide tiny's 4 attention heads"),
-        (["--recompute", "selective"], "recompute='selective' is not a recompute mode"),
+        (["--recompute", "partial"], "recompute='partial' is not a recompute mode"),
         (["--dtype", "fp8"], "unknown precision 'fp8'"),
         (["--device", "tpu"], "device='tpu'"),
         (["--chunks", "2"], "n_chunks=2 with schedule 'terapipe': it holds exactly 1"),
@@ -479,7 +479,7 @@ BAD: dict[str, st.SearchStrategy[str]] = {
     "dtype": st.text(max_size=6).filter(lambda t: t not in {"fp32", "bf16"}),  # fp16 needs CUDA
     "precision": st.text(max_size=6).filter(lambda t: t not in {"fp32", "bf16", "fp16"}),
     "device": st.text(max_size=6).filter(lambda t: t not in {"cpu", "cuda"}),
-    "recompute": st.text(max_size=6).filter(lambda t: t not in {"none", "full"}),
+    "recompute": st.text(max_size=6).filter(lambda t: t not in {"none", "selective", "full"}),
     "method": st.text(max_size=6).filter(lambda t: t not in {"exact", "paper"}),
     "rate": st.one_of(NOT_FLOAT, NOT_FINITE, st.floats(min_value=1).map(str), st.floats(max_value=-1e-300).map(str)),
     "attention": st.text(max_size=6).filter(lambda t: t not in {"split", "masked"}),

@@ -286,6 +286,20 @@ def test_stage_memory_with_dropout_matches_the_measured_runtime(
     _check_model_against_measurement(run, result, n_op)
 
 
+@pytest.mark.parametrize("n_op", N_OPS)
+def test_stage_memory_with_selective_recomputation_matches_the_measured_runtime(
+    measured: Measured, n_op: int
+) -> None:
+    # With dropout each attention core keeps its scores; selective keeps none of them
+    # (and rebuilds one layer's inside its backward), measured and modelled alike.
+    run, result = measured("terapipe", n_op, "selective", 0.1)
+    plain, kept = measured("terapipe", n_op, "none", 0.1)
+    assert max(result.stage_peak_bytes()) < max(kept.stage_peak_bytes())
+    selective, none = modelled_memory(run), modelled_memory(plain)
+    assert all(s.activations < n.activations for s, n in zip(selective, none, strict=True))
+    _check_model_against_measurement(run, result, n_op)
+
+
 def _check_model_against_measurement(run: RunConfig, result: RunResult, n_op: int) -> None:
     modelled = modelled_memory(run)
     assert len(result.ranks) == 2 * n_op

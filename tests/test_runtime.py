@@ -203,6 +203,15 @@ def test_recompute_matches_single_process(pools: Callable[[int], LocalPool], k: 
     _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
+def test_selective_recompute_on_a_3d_layout_matches_single_process(
+    pools: Callable[[int], LocalPool],
+) -> None:
+    """Selective recomputation composed: token slices (each unit's cores recomputed over
+    its K/V context), #Op = 2 (each rank its heads' cores) and #Data = 2."""
+    run = _config("terapipe", 2, 2, SLICED["terapipe"], n_op=2, recompute="selective")
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
+
+
 def test_padded_vocabulary_matches_single_process(pools: Callable[[int], LocalPool]) -> None:
     # 95 words over #Op = 2: 48 rows each, the last one padding, masked out of the loss.
     run = _config(

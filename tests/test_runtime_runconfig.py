@@ -43,7 +43,7 @@ def make(fields: Mapping[str, object]) -> RunConfig:
         ({"schedule_name": "zero-bubble"}, r"unknown schedule 'zero-bubble'"),
         ({"precision": "fp16"}, r"precision 'fp16' needs device='cuda'"),
         ({"precision": "fp8"}, r"unknown precision 'fp8'"),
-        ({"recompute": "selective"}, r"recompute='selective' is not a recompute mode"),
+        ({"recompute": "partial"}, r"recompute='partial' is not a recompute mode: choose one of \('none', 'selective', 'full'\)"),
         ({"parallelism.n_op": 3}, r"n_op=3 must divide tiny's 4 attention heads"),
         ({"parallelism.n_op": 0}, r"Parallelism.n_op=0 must be a positive integer"),
         ({"parallelism.n_op": 4, "parallelism.ranks_per_node": 2}, r"n_op=4 with ranks_per_node=2: a stage's #Op ranks must lie on one node"),

@@ -63,6 +63,7 @@ def test_torch_runs_a_tplib_schedule_as_tplib_does(
             "n_data=2",
         ),
         ({"recompute": "full"}, "recompute='full'"),
+        ({"recompute": "selective"}, "recompute='selective'"),
         ({"model_overrides": (("dropout", 0.1),)}, "dropout=0.1"),
     ],
 )

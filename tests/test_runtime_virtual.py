@@ -49,11 +49,19 @@ CASES = [
 
 
 def _chunked(
-    schedule: str, k: int, v: int, r: int, n_op: int, recompute: str, plan: Plan
+    schedule: str,
+    k: int,
+    v: int,
+    r: int,
+    n_op: int,
+    recompute: str,
+    plan: Plan,
+    dropout: float = 0.0,
 ) -> RunConfig:
     return RunConfig(
         model="tiny",
-        model_overrides=(("n_layer", k * v),),  # one layer per part
+        # One layer per part.
+        model_overrides=(("n_layer", k * v),) + ((("dropout", dropout),) if dropout else ()),
         schedule_name=schedule,
         parallelism=Parallelism(n_stages=k, n_data=r, n_op=n_op, n_chunks=v),
         data=Data(batch=plan.batch * r, seq_len=SEQ_LEN),
@@ -94,6 +102,17 @@ def test_virtual_stages_match_single_process(
         layers = sorted({int(n.split(".")[1]) for n in names})
         placement = run.schedule.placement
         assert layers == [p for p in range(k * v) if placement[p] == rank.stage]
+
+
+def test_selective_recompute_with_dropout_on_a_v_matches_single_process(
+    pools: Callable[[int], LocalPool],
+) -> None:
+    """ZB-V's split backwards on a V of virtual stages over token slices, with dropout:
+    each B recomputes its chunk's attention cores, dropping what their forwards dropped,
+    and leaves the weight gradients to W."""
+    run = _chunked("terapipe-zbv", 2, 2, 1, 1, "selective", UNEVEN, dropout=0.1)
+    assert run.schedule.split_backward and run.cfg.dropout == 0.1
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
 def test_every_chunked_schedule_has_a_fast_case() -> None:

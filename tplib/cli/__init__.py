@@ -183,7 +183,13 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--memory", type=number(0, above=True), help="GiB per GPU (default: the cluster's)"
     )
-    p.add_argument("--recompute", choices=("both", "none", "full"), default="both")
+    p.add_argument(
+        "--recompute",
+        choices=("both", "none", "full"),
+        default="both",
+        help="recomputation to search: none, full or both (the cluster model the search "
+        "prices with has no selective recomputation)",
+    )
     p.add_argument("--top", type=COUNT, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write the best layout's torchrun config here (JSON)")
@@ -230,7 +236,12 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="v: chunks (virtual stages) per stage, for the schedules that place them "
         "(default: the schedule's, 2 for interleaved-1f1b, zbv, ...)",
     )
-    p.add_argument("--recompute", default="none", help="none or full (recompute in backward)")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help="none, selective (the attention core again in backward) or full (the whole "
+        "forward again in backward)",
+    )
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -269,7 +280,7 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--plan", default="cluster", help="cluster, paper, gpipe or a profile JSON")
     p.add_argument("--seq-len", type=COUNT, help="Table 4's L for setting 5")
     p.add_argument("--dtype", default="fp16", help="fp16 (default, as the paper), bf16, fp32")
-    p.add_argument("--recompute", default="none", help="none or full")
+    p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--steps", type=COUNT, default=10, help="timed iterations")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed iterations first")
     p.add_argument("--out", default="run.json", help="the config file to write")

@@ -6,7 +6,9 @@ attention keeps no scores, only a log-sum-exp per head), which units are alive a
 under the schedule (replayed from its actions by
 :func:`~tplib.cluster.memory.peak_in_flight`, so 1F1B's bounded in-flight units show),
 full recomputation (each unit keeps only its input; one unit's activations are rebuilt
-at a time inside its backward), the precision's bytes per parameter, and the K/V context
+at a time inside its backward), selective recomputation (no attention scores nor
+log-sum-exp kept; one layer's attention core rebuilt at a time inside a backward,
+:mod:`tplib.nn.selective`), the precision's bytes per parameter, and the K/V context
 buffers. The runtime measures the same quantities (:mod:`tplib.runtime.memory`); the
 test suite holds the two within 10%.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from tplib.cluster.hardware import FP16, FP32
 from tplib.cluster.memory import MemoryEstimate, peak_in_flight
-from tplib.nn.configs import GPTConfig, stage_params
+from tplib.nn.configs import GPTConfig, check_recompute, stage_params
 from tplib.plan import Plan, Unit
 from tplib.schedule import Action, Kind
 
@@ -138,6 +140,13 @@ def _chunk_bytes(
     def kept(u: Unit) -> float:
         return tokens(u) * per_token + scores(u)
 
+    # Selective recomputation keeps each core's inputs (views of the QKV product, or the
+    # contexts) and nothing the core saves: no scores, no log-sum-exp. Inside a layer's
+    # backward the core saves them again: its scores written out, or the fused kernel's
+    # new output and log-sum-exp; one layer of one unit at a time.
+    core = (hi - lo) * per_head * heads
+    fused_core = 0.0 if dropout else inv.partitioned / 12 * h / n_op + inv.per_head * heads
+
     # Split backwards keep each product's input and output gradient from B to W: per
     # layer the inputs of QKV, FC1 (h each), the projection (h / #Op) and FC2 (4h / #Op),
     # and the gradients of their outputs (3h / #Op, 4h / #Op, h, h); the head's too.
@@ -149,6 +158,9 @@ def _chunk_bytes(
     if recompute == "full":
         rebuilt = lambda u: kept(u) - tokens(u) * (own_input + (0 if last else h * e))  # noqa: E731
         keeps: Callable[[Unit], float] = lambda u: tokens(u) * own_input  # noqa: E731
+    elif recompute == "selective":
+        rebuilt = lambda u: scores(u) / (hi - lo) + tokens(u) * fused_core  # noqa: E731
+        keeps = lambda u: tokens(u) * (per_token - core)  # noqa: E731
     else:
         keeps = kept
     # The products' weights (and the head, which may be the tied embedding).
@@ -176,6 +188,7 @@ def rank_memory(
     """Peak memory of one rank holding the layer ranges ``chunks`` (chunk c's ``[lo,
     hi)``; one range without virtual stages) in tplib's runtime, running ``plan`` in the
     order of its ``actions`` (see the module docstring)."""
+    check_recompute(recompute)
     split = any(a.kind is Kind.W for a in actions)
     parts = [
         _chunk_bytes(
@@ -199,7 +212,7 @@ def rank_memory(
     acts = peak_in_flight(
         actions,
         kept=kept,
-        rebuilt=rebuilt if recompute == "full" else None,
+        rebuilt=rebuilt if recompute != "none" else None,
         deferred=deferred if split else None,
     )
     acts += sum(p.weight_copies for p in parts)

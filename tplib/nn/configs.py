@@ -190,7 +190,7 @@ def stage_params(cfg: GPTConfig, lo: int, hi: int, n_op: int = 1) -> int:
 # ---- the options a run adds to a model ------------------------------------------------
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def padded_vocab(vocab_size: int, n_op: int) -> int:

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
+
+from tplib.nn.selective import Core, attention_core
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -47,6 +49,7 @@ __all__ = [
     "ProbsDropout",
     "StageContext",
     "attention_impls",
+    "causal_attention",
     "math_attention",
     "slice_attention",
 ]
@@ -219,12 +222,17 @@ def slice_attention(
     layer: LayerContext,
     start: int,
     probs_dropout: ProbsDropout | None = None,
+    *,
+    recompute: bool = False,
 ) -> Tensor:
     """Causal attention of a slice's queries over the context ``[0, start)`` and itself.
 
     ``q``, ``k``, ``v`` are the slice's own ``(batch, n_head, length, head_dim)``; its keys
     and values are written into ``layer`` at ``start``. With ``probs_dropout`` the
-    attention is :func:`math_attention` over the context's keys and values.
+    attention is :func:`math_attention` over the context's keys and values. With
+    ``recompute`` the attention core keeps only its inputs and runs again in backward
+    (:mod:`tplib.nn.selective`); the gradient buffers are cleared outside it, so running
+    it again never clears what later slices accumulated.
     """
     end = start + k.shape[2]
     if end > layer.seq_len:
@@ -237,22 +245,39 @@ def slice_attention(
         layer.grad_v.zero_()
     if probs_dropout is not None:
         keys, values = _AppendKV.apply(k, v, layer, start)
-        return math_attention(q, keys, values, start, probs_dropout)
+        core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout)
+        return attention_core(core, q, keys, values, recompute=recompute)
     impl = layer.impl or (
         "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
     )
     if impl == "split":
         if q.device.type != "cpu":  # a CPU context written into from another device
             raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")
-        return _SplitAttention.apply(q, k, v, layer, start)
+        # Run again in backward it writes the same keys and values into the context.
+        core = partial(_split_attention, layer=layer, start=start)
+        return attention_core(core, q, k, v, recompute=recompute)
     if impl == "masked":
         keys, values = _AppendKV.apply(k, v, layer, start)
-        if start == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=_mask(q.shape[2], end, q.device)
-        )
+        mask = None if start == 0 else _mask(q.shape[2], end, q.device)
+        core = partial(_masked_attention, mask=mask)
+        return attention_core(core, q, keys, values, recompute=recompute)
     raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
+
+
+def causal_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """Whole sequences' causal attention, the fused kernel."""
+    return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+
+
+def _masked_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return causal_attention(q, keys, values)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def _split_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerContext, start: int) -> Tensor:
+    out: Tensor = _SplitAttention.apply(q, k, v, layer, start)
+    return out
 
 
 @lru_cache(maxsize=64)

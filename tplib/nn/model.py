@@ -15,7 +15,9 @@ Given an :class:`~tplib.nn.oppart.OpGroup` of #Op > 1 ranks, a stage holds only 
 share of each block, embedding and head, split the Megatron way (see
 :mod:`tplib.nn.oppart`); :func:`_init_parameters` then gives each shard exactly its part of
 the whole model's values. The blocks' products are :class:`tplib.nn.linear.Linear`; dropout,
-when training with it, is :mod:`tplib.nn.dropout`'s.
+when training with it, is :mod:`tplib.nn.dropout`'s. An attention whose ``recompute_core``
+an executor set keeps its core's inputs alone and runs the core again in backward
+(selective recomputation, :mod:`tplib.nn.selective`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tplib.nn.configs import GPTConfig, check_op, padded_vocab
-from tplib.nn.context import LayerContext, StageContext, math_attention, slice_attention
+from tplib.nn.context import (
+    LayerContext,
+    StageContext,
+    causal_attention,
+    math_attention,
+    slice_attention,
+)
 from tplib.nn.dropout import (
     SITE_ATTENTION,
     SITE_EMBEDDING,
@@ -48,8 +57,9 @@ from tplib.nn.oppart import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from tplib.nn.selective import Core, attention_core
 
-__all__ = ["GPTStage", "build_model", "check_op", "check_stage_range"]
+__all__ = ["CausalSelfAttention", "GPTStage", "build_model", "check_op", "check_stage_range"]
 
 
 def _op_size(op: OpGroup | None) -> int:
@@ -71,6 +81,8 @@ class CausalSelfAttention(nn.Module):
         heads = torch.arange(first_head, first_head + self.n_head)
         self.heads: Tensor
         self.register_buffer("heads", heads, persistent=False)
+        # Selective recomputation (tplib.nn.selective): set by the executor that runs it.
+        self.recompute_core = False
 
     def forward(
         self,
@@ -85,11 +97,12 @@ class CausalSelfAttention(nn.Module):
             for t in self.qkv(copy_to_group(x, self.op)).split(self.width, dim=2)
         )
         if context is not None:
-            y = slice_attention(q, k, v, context, start, drop)
-        elif drop is not None:
-            y = math_attention(q, k, v, 0, drop)
+            y = slice_attention(q, k, v, context, start, drop, recompute=self.recompute_core)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            core: Core = causal_attention
+            if drop is not None:
+                core = partial(math_attention, start=0, probs_dropout=drop)
+            y = attention_core(core, q, k, v, recompute=self.recompute_core)
         return self.proj(y.transpose(1, 2).reshape(b, length, self.width))
 
 

@@ -15,6 +15,9 @@ slice of a sequence in one product per weight.
 With ``recompute="full"`` (GPipe's re-materialisation) a unit's forward keeps nothing
 for backward but the unit's input (the K/V context is kept anyway, later slices read
 it); its backward runs the forward again with autograd on, then backward through it.
+With ``recompute="selective"`` (Korthikanti et al. 2022) only each layer's attention
+core is run again, inside the backward of that layer (:mod:`tplib.nn.selective`): the
+unit keeps everything else, and no attention scores.
 
 :func:`run_pipeline_local` chains several stages in one process (all forwards, then all
 backwards), which is what the exactness tests compare against the whole-sequence model.
@@ -34,7 +37,7 @@ from tplib.nn.configs import RECOMPUTE_MODES, check_recompute
 from tplib.nn.context import StageContext
 from tplib.nn.dropout import DropoutKey
 from tplib.nn.linear import Linear
-from tplib.nn.model import GPTStage
+from tplib.nn.model import CausalSelfAttention, GPTStage
 from tplib.nn.wgrad import DeferredWeightGrads
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import WHOLE_SEQUENCE, covered_slices
@@ -117,9 +120,11 @@ class SliceExecutor:
         if split_backward:
             self.deferred = DeferredWeightGrads(hold)
         for module in stage.modules():
-            # Set either way: a stage an earlier split-backward executor ran keeps no store.
+            # Set either way: a stage an earlier executor ran keeps none of its choices.
             if isinstance(module, Linear):
                 module.deferred = self.deferred
+            elif isinstance(module, CausalSelfAttention):
+                module.recompute_core = recompute == "selective"
 
     def context(self, b: int) -> StageContext:
         """Batch slice ``b``'s K/V context, allocated once and reused every iteration

@@ -79,7 +79,9 @@ class RunConfig:
     seed: int = 0  # model initialisation
     device: str = "cpu"
     precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (CUDA: fp32 master weights)
-    recompute: str = "none"  # "none" | "full" (keep only each unit's input; recompute)
+    # "none" | "selective" (recompute each attention core) | "full" (keep only each
+    # unit's input; recompute its forward)
+    recompute: str = "none"
     # What __post_init__ derives: the model, plan, layer ranges, schedule and (made once,
     # on first use) where each stage posts its messages.
     _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule, PostingPlan | None] = field(

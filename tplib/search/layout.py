@@ -48,9 +48,20 @@ from tplib.partition.topology import Topology
 from tplib.planner import plan_slices
 from tplib.sim.simulate import simulate_schedule
 
-__all__ = ["Candidate", "Layout", "Search", "autoplan", "latency_floor", "layouts"]
+__all__ = [
+    "SEARCHED_RECOMPUTE",
+    "Candidate",
+    "Layout",
+    "Search",
+    "autoplan",
+    "latency_floor",
+    "layouts",
+]
 
 EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
+# The recomputation modes the cluster cost model prices: tplib.cluster prices no
+# selective recomputation (yet), so the search cannot weigh it.
+SEARCHED_RECOMPUTE = ("none", "full")
 GRANULARITY = 8
 
 
@@ -220,7 +231,7 @@ def autoplan(
     seq_len: int | None = None,
     cluster: str = "p3.16xlarge",
     memory_gib: float | None = None,
-    recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    recompute: tuple[str, ...] = SEARCHED_RECOMPUTE,
     eps: float = EPS,
     calibration: Calibration | None = None,
     implementation: Implementation | None = None,
@@ -250,9 +261,15 @@ def autoplan(
     if L % GRANULARITY:
         raise ValueError(f"seq_len={L}: must be a multiple of the planner's {GRANULARITY} tokens")
     cfg = cfg if cfg.seq_len >= L else cfg.with_(seq_len=L)
-    bad = [m for m in recompute if m not in RECOMPUTE_MODES]
+    bad = [m for m in recompute if m not in SEARCHED_RECOMPUTE]
     if not recompute or bad:
-        raise ValueError(f"recompute={recompute!r}: choose among {RECOMPUTE_MODES}")
+        why = ""
+        if any(m in RECOMPUTE_MODES for m in bad):
+            why = (
+                f" ({bad[0]!r} runs on tplib's runtime, but the cluster cost model the "
+                "search prices layouts with does not price it)"
+            )
+        raise ValueError(f"recompute={recompute!r}: choose among {SEARCHED_RECOMPUTE}{why}")
     start = time.perf_counter()
     found = [
         Layout(d, k, op, rc) for d, k, op in layouts(cfg, n_gpus, batch, hw) for rc in recompute
