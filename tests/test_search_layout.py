@@ -102,7 +102,7 @@ def test_memory_nothing_fits_names_the_closest() -> None:
         ({"seq_len": 1001}, "seq_len=1001"),
         ({"memory_gib": -1.0}, "memory_gib=-1.0"),
         ({"recompute": ("some",)}, "recompute="),
-        ({"recompute": ("none", "selective")}, "'selective' runs on tplib's runtime, but the"),
+        ({"recompute": ("none", "partial")}, "choose among .'none', 'selective', 'full'."),
     ],
 )
 def test_bad_input_is_refused_before_any_work(kwargs: dict, match: str) -> None:

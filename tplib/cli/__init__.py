@@ -185,10 +185,9 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument(
         "--recompute",
-        choices=("both", "none", "full"),
+        choices=("both", "all", "none", "selective", "full"),
         default="both",
-        help="recomputation to search: none, full or both (the cluster model the search "
-        "prices with has no selective recomputation)",
+        help="recomputation to search: none, selective, full, both (none and full) or all",
     )
     p.add_argument("--top", type=COUNT, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -29,7 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = ["autoplan_command", "partition_command"]
 
-RECOMPUTE_CHOICES = {"both": ("none", "full"), "none": ("none",), "full": ("full",)}
+RECOMPUTE_CHOICES = {
+    "both": ("none", "full"),
+    "all": ("none", "selective", "full"),
+    "none": ("none",),
+    "selective": ("selective",),
+    "full": ("full",),
+}
 
 
 def _json_safe(value: object) -> object:

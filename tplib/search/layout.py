@@ -40,9 +40,9 @@ from typing import Any
 
 from tplib.cluster import CALIBRATIONS, Calibration, ClusterCostModel, check_layout
 from tplib.cluster.hardware import CLUSTERS, FP16, Hardware
-from tplib.cluster.implementation import PAPER, Implementation
+from tplib.cluster.implementation import PAPER, RECOMPUTES, Implementation
 from tplib.cluster.memory import STATE_BYTES, activation_rates
-from tplib.nn.configs import RECOMPUTE_MODES, GPTConfig, get_config, n_params_per_layer
+from tplib.nn.configs import GPTConfig, get_config, n_params_per_layer
 from tplib.partition.chain import DoesNotFit
 from tplib.partition.topology import Topology
 from tplib.planner import plan_slices
@@ -59,8 +59,8 @@ __all__ = [
 ]
 
 EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
-# The recomputation modes the cluster cost model prices: tplib.cluster prices no
-# selective recomputation (yet), so the search cannot weigh it.
+# The recomputation modes searched unless asked: the paper's two. Selective
+# recomputation is priced too (tplib.cluster.implementation.RECOMPUTES) when asked for.
 SEARCHED_RECOMPUTE = ("none", "full")
 GRANULARITY = 8
 
@@ -180,7 +180,7 @@ def _memory_floor(
     """The least memory per GPU any plan of ``layout`` needs (see the module docstring)."""
     layers = cfg.n_layer // layout.n_stages
     states = STATE_BYTES * layers * n_params_per_layer(cfg) / layout.n_op
-    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl)
+    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl, layout.recompute)
     tokens = pipeline_batch * seq_len
     if layout.recompute == "full":
         acts: float = tokens * cfg.hidden * FP16
@@ -261,15 +261,9 @@ def autoplan(
     if L % GRANULARITY:
         raise ValueError(f"seq_len={L}: must be a multiple of the planner's {GRANULARITY} tokens")
     cfg = cfg if cfg.seq_len >= L else cfg.with_(seq_len=L)
-    bad = [m for m in recompute if m not in SEARCHED_RECOMPUTE]
+    bad = [m for m in recompute if m not in RECOMPUTES]
     if not recompute or bad:
-        why = ""
-        if any(m in RECOMPUTE_MODES for m in bad):
-            why = (
-                f" ({bad[0]!r} runs on tplib's runtime, but the cluster cost model the "
-                "search prices layouts with does not price it)"
-            )
-        raise ValueError(f"recompute={recompute!r}: choose among {SEARCHED_RECOMPUTE}{why}")
+        raise ValueError(f"recompute={recompute!r}: choose among {RECOMPUTES}")
     start = time.perf_counter()
     found = [
         Layout(d, k, op, rc) for d, k, op in layouts(cfg, n_gpus, batch, hw) for rc in recompute
