@@ -319,6 +319,19 @@ def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
     assert tokens[tokens.index("--out") + 1] == "result.pt"
 
 
+def test_run_with_sequence_parallelism_records_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tplib.runtime import load_run_config
+
+    out = tmp_path / "run.json"
+    argv = ["run", "--setting", "9", "--plan", "gpipe", "--out", str(out), "--sequence-parallel"]
+    assert main(argv) == 0
+    run = load_run_config(out)
+    assert run.parallelism.sequence_parallel and run.parallelism.n_op == 4
+    assert "sequence-parallel" in capsys.readouterr().out
+
+
 def test_run_refuses_a_setting_outside_table1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -368,6 +381,11 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
             "n_chunks=3 with 2 stages of model tiny's 4 layers",
         ),
         (["--schedule", "interleaved-1f1b"], "--slices=4 with interleaved-1f1b: interleaved-1f1b"),
+        (["--sequence-parallel"], "sequence_parallel=True with n_op=1: sequence parallelism"),
+        (
+            ["--op", "4", "--slices", "8", "--sequence-parallel"],
+            "n_op=4: token slices [2, 2, 2, 2, 2, 2, 2, 2] of batch slice 0",
+        ),
     ],
 )
 def test_bench_bad_layouts_exit_2(

@@ -16,7 +16,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -25,12 +25,18 @@ from torch import Tensor
 
 from tplib.nn.configs import GPTConfig, get_config
 from tplib.nn.data import synthetic_batch
+from tplib.nn.dropout import DropoutKey
 from tplib.nn.model import GPTStage, build_model
 from tplib.nn.oppart import (
     OpGroup,
     ShardSpec,
+    enter_tensor_parallel,
+    gather_from_sequence,
+    leave_tensor_parallel,
     merge_shards,
     padded_vocab,
+    reduce_scatter_to_sequence,
+    sequence_shard,
     shard_spec,
     take_shard,
     vocab_parallel_cross_entropy,
@@ -192,7 +198,28 @@ class ThreadGroup:
         self.n = n
         self.barrier = threading.Barrier(n, timeout=timeout_s)
         self.slots: list[Tensor | None] = [None] * n
+        self.exchanged: list[Any] = [None] * n
         self.calls = [0] * n
+
+    def _exchange(self, rank: int, value: T) -> list[T]:
+        """Every rank's ``value`` in rank order (values are not copied: callers pass
+        fresh tensors), both barriers passed."""
+        self.calls[rank] += 1
+        self.exchanged[rank] = value
+        self.barrier.wait()
+        got: list[T] = list(self.exchanged)
+        self.barrier.wait()
+        return got
+
+    def _all_gather(self, rank: int, tensor: Tensor) -> list[Tensor]:
+        parts = self._exchange(rank, tensor.detach().clone())
+        assert all(p.shape == tensor.shape for p in parts)
+        return [p.clone() for p in parts]
+
+    def _reduce_scatter(self, rank: int, tensors: list[Tensor]) -> Tensor:
+        assert len(tensors) == self.n
+        lists = self._exchange(rank, [t.detach().clone() for t in tensors])
+        return torch.stack([parts[rank] for parts in lists]).sum(0)
 
     def _reduce(self, rank: int, tensor: Tensor, how: str) -> None:
         self.calls[rank] += 1
@@ -205,16 +232,24 @@ class ThreadGroup:
         self.barrier.wait()  # everyone has read the list before anyone writes it again
         tensor.copy_(result)
 
-    def group(self, rank: int) -> OpGroup:
+    def group(self, rank: int, sequence_parallel: bool = False) -> OpGroup:
         return OpGroup(
             rank,
             self.n,
             all_reduce=lambda t: self._reduce(rank, t, "sum"),
             all_reduce_max=lambda t: self._reduce(rank, t, "max"),
+            sequence_parallel=sequence_parallel,
+            all_gather=lambda t: self._all_gather(rank, t),
+            reduce_scatter=lambda ts: self._reduce_scatter(rank, ts),
         )
 
 
-def run_threads(n: int, body: Callable[[OpGroup], T], timeout_s: float = 60.0) -> list[T]:
+def run_threads(
+    n: int,
+    body: Callable[[OpGroup], T],
+    timeout_s: float = 60.0,
+    sequence_parallel: bool = False,
+) -> list[T]:
     """Run ``body(op)`` in ``n`` threads, one per op rank; their results in rank order.
     A thread that raises breaks the barrier, so the others fail instead of hanging."""
     tg = ThreadGroup(n)
@@ -223,7 +258,7 @@ def run_threads(n: int, body: Callable[[OpGroup], T], timeout_s: float = 60.0) -
 
     def target(rank: int) -> None:
         try:
-            results[rank] = body(tg.group(rank))
+            results[rank] = body(tg.group(rank, sequence_parallel))
         except BaseException as exc:
             errors[rank] = exc
             tg.barrier.abort()
@@ -432,6 +467,105 @@ def test_partitioned_token_slices_backward_equals_the_whole(n_op: int, recompute
     results = run_threads(n_op, body)
     for rank, (loss, _) in enumerate(results):
         assert_scaled_close(loss, ref_loss.detach(), what=f"loss on op rank {rank}")
+    grads = _merge([r[1] for r in results], cfg)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert_scaled_close(grads[name], ref, what=f"grad {name}")
+
+
+# ---- sequence parallelism -------------------------------------------------------------
+
+
+def test_sequence_shard_by_hand() -> None:
+    assert sequence_shard(12, OpGroup(2, 4, sequence_parallel=True)) == (6, 3)
+    assert sequence_shard(12, OpGroup(0, 4, sequence_parallel=True)) == (0, 3)
+    assert sequence_shard(12, OpGroup(2, 4)) == (0, 12)  # not sequence-parallel: all tokens
+    assert sequence_shard(12, None) == (0, 12)
+    with pytest.raises(ValueError, match="10 tokens does not split over #Op=4"):
+        sequence_shard(10, OpGroup(1, 4, sequence_parallel=True))
+    x = torch.ones(2, 3, 4)
+    one = OpGroup(0, 1, sequence_parallel=True)
+    for f in (gather_from_sequence, reduce_scatter_to_sequence):
+        assert f(x, None) is x and f(x, one) is x  # nothing to communicate
+
+
+@pytest.mark.parametrize("n_op", [2, 3])
+def test_sequence_parallel_conjugates_against_the_unsplit_tensors(n_op: int) -> None:
+    """Forward, gather_from_sequence joins the ranks' shards into the whole sequence and
+    reduce_scatter_to_sequence gives each rank its tokens of the ranks' sum; backward,
+    each is the other (the first's gradient is the rank's tokens of the ranks' summed
+    gradients, the second's the ranks' shards' gradients joined)."""
+    b, tokens, h = 2, 3, 4  # tokens per rank
+    length = tokens * n_op
+    g = torch.Generator().manual_seed(41)
+    whole = torch.randn(b, length, h, generator=g)
+    partials = torch.randn(n_op, b, length, h, generator=g)  # rank r's partial product
+    up = torch.randn(n_op, b, length, h, generator=g)  # rank r's gradient of the gathered
+    down = torch.randn(b, length, h, generator=g)  # rank r's tokens: its shard's gradient
+
+    def body(op: OpGroup) -> tuple[Tensor, ...]:
+        mine = slice(op.rank * tokens, (op.rank + 1) * tokens)
+        shard = whole[:, mine].clone().requires_grad_()
+        gathered = enter_tensor_parallel(shard, op)
+        gathered.backward(up[op.rank])
+        partial = partials[op.rank].clone().requires_grad_()
+        scattered = leave_tensor_parallel(partial, op)
+        scattered.backward(down[:, mine])
+        assert shard.grad is not None and partial.grad is not None
+        return gathered.detach(), shard.grad, scattered.detach(), partial.grad
+
+    results = run_threads(n_op, body, sequence_parallel=True)
+    for rank, (gathered, shard_grad, scattered, partial_grad) in enumerate(results):
+        mine = slice(rank * tokens, (rank + 1) * tokens)
+        assert torch.equal(gathered, whole), rank
+        summed_up = up[0, :, mine] + up[1, :, mine] + (up[2, :, mine] if n_op == 3 else 0)
+        assert_scaled_close(shard_grad, summed_up, what=f"gather's backward on rank {rank}")
+        expected = partials[0, :, mine] + partials[1, :, mine]
+        expected += partials[2, :, mine] if n_op == 3 else 0
+        assert_scaled_close(scattered, expected, what=f"reduce-scatter on rank {rank}")
+        assert torch.equal(partial_grad, down), rank
+
+
+@pytest.mark.parametrize("n_op", [2, 4])
+def test_sequence_parallel_token_slices_with_dropout_equal_the_whole(n_op: int) -> None:
+    """Sequence-parallel stages [0, 1) and [1, 4) over token slices, with dropout: each
+    rank's hidden states are its shard of each slice, its dropout masks the shard's rows
+    of the whole batch's, and its replicated parameters' gradients (LayerNorms, position
+    embedding, row-parallel biases) its tokens' part: summed over the ranks, with the
+    partitioned ones merged, they are the whole model's gradients."""
+    cfg = TINY.with_(vocab_size=95, dropout=0.1)
+    plan = Plan((1, 2), ((4, 12, 8), (8, 16)))
+    tokens, targets = synthetic_batch(cfg, plan.batch, plan.seq_len, seed=51)
+    key = DropoutKey(seed=7)
+    whole = build_model(cfg, seed=9)
+    _perturb(whole, seed=52)
+    ref_loss = whole(tokens, targets=targets, dropout=key) / targets.numel()
+    ref_loss.backward()
+    ref_grads = _grads(whole)
+
+    def body(op: OpGroup) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        with one_thread():
+            stages = [build_model(cfg, lo, hi, seed=9, op=op) for lo, hi in ((0, 1), (1, 4))]
+            for stage in stages:
+                _load_shards(stage, whole, op)
+            with torch.no_grad():  # what the first stage hands on: the rank's shard
+                hidden = stages[0](tokens[:1, :4], context=stages[0].new_context(1, 4))
+            loss = run_pipeline_local(stages, tokens, plan, targets=targets, dropout=key)
+            grads: dict[str, Tensor] = {}
+            for stage in stages:
+                for name, g in _grads(stage).items():
+                    grads["wte.weight" if name == "head.weight" else name] = g
+            return loss.detach(), grads, hidden
+
+    results = run_threads(n_op, body, sequence_parallel=True)
+    for rank, (loss, _, hidden) in enumerate(results):
+        assert_scaled_close(loss, ref_loss.detach(), what=f"loss on op rank {rank}")
+        assert hidden.shape == (1, 4 // n_op, cfg.hidden)
+    replicated = [n for n in ref_grads if shard_spec(n) is None]
+    summed = {n: torch.stack([r[1][n] for r in results]).sum(0) for n in replicated}
+    for _, grads, _ in results:
+        assert not torch.equal(grads["ln_f.weight"], summed["ln_f.weight"])  # a part only
+        grads.update(summed)
     grads = _merge([r[1] for r in results], cfg)
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():

@@ -268,6 +268,25 @@ def test_dropout_on_a_3d_layout_matches_single_process(pools: Callable[[int], Lo
     _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
+def test_sequence_parallel_3d_layout_with_dropout_matches_single_process(
+    pools: Callable[[int], LocalPool],
+) -> None:
+    """Sequence parallelism on (#Data, #Pipe, #Op) = (2, 2, 2), token slices, dropout:
+    each op rank holds and sends its half of every slice's tokens, its dropout masks are
+    its half's rows, and the replicated parameters' gradients are summed over #Op. The
+    gradients (replicated ones included) and parameters are equal on every op rank."""
+    plan = Plan((1, 1), ((6, 10), (2, 6, 8)))  # every slice's length divisible by #Op
+    run = _config("terapipe", 2, 2, plan, n_op=2, model_overrides=(("dropout", 0.1),))
+    run = replace(run, parallelism=replace(run.parallelism, sequence_parallel=True))
+    result = pools(run.parallelism.world_size).run(run, COLLECT)
+    _check_against_reference(run, result)
+    for replica, stage in itertools.product(range(2), range(2)):
+        ranks = [x for x in result.ranks if (x.replica, x.stage) == (replica, stage)]
+        for name in (n for n in ranks[0].params if shard_spec(n) is None):
+            assert torch.equal(ranks[1].grads[name], ranks[0].grads[name]), (name, stage)
+            assert torch.equal(ranks[1].params[name], ranks[0].params[name]), (name, stage)
+
+
 def test_trace_has_every_action(pools: Callable[[int], LocalPool]) -> None:
     run = _config("terapipe", 2, 1, SLICINGS["terapipe"][1])
     result = pools(2).run(run)

@@ -230,6 +230,11 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data", type=COUNT, default=1, help="#Data: data-parallel replicas")
     p.add_argument("--op", type=ANY_INT, default=1, help="#Op: operation-partitioning ranks/stage")
     p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split LayerNorms, dropouts and residual adds along the tokens over #Op",
+    )
+    p.add_argument(
         "--chunks",
         type=ANY_INT,
         help="v: chunks (virtual stages) per stage, for the schedules that place them "
@@ -280,6 +285,11 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seq-len", type=COUNT, help="Table 4's L for setting 5")
     p.add_argument("--dtype", default="fp16", help="fp16 (default, as the paper), bf16, fp32")
     p.add_argument("--recompute", default="none", help="none, selective or full")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split LayerNorms, dropouts and residual adds along the tokens over #Op",
+    )
     p.add_argument("--steps", type=COUNT, default=10, help="timed iterations")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed iterations first")
     p.add_argument("--out", default="run.json", help="the config file to write")

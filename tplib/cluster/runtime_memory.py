@@ -12,6 +12,12 @@ log-sum-exp kept; one layer's attention core rebuilt at a time inside a backward
 buffers. The runtime measures the same quantities (:mod:`tplib.runtime.memory`); the
 test suite holds the two within 10%.
 
+Sequence parallelism (``sequence_parallel``, :mod:`tplib.nn.oppart`) keeps 1/#Op of what
+lies between the tensor-parallel products on each rank: the LayerNorms' inputs and
+statistics, the dropout masks of the residual stream, a stage's input and output. The
+products' inputs are all-gathered and kept whole, as tplib's runtime keeps them (it does
+not all-gather them again in backward, as Megatron-LM does).
+
 With virtual stages a rank holds several chunks (:func:`rank_memory`): each keeps its
 own layers' weights, states and K/V contexts, and a unit in flight on a chunk keeps that
 chunk's activations, from the chunk's forward to its backward; the rank's peak is of
@@ -104,10 +110,15 @@ def _chunk_bytes(
     recompute: str,
     precision: str,
     split_backward: bool,
+    sequence_parallel: bool = False,
 ) -> _ChunkBytes:
     """What layers ``[lo, hi)`` of one rank keep, per unit and in all."""
     inv = _runtime_inventory(precision)
     h, e = cfg.hidden, inv.hidden
+    # The residual stream's share of a slice's tokens on this rank; the LayerNorms keep
+    # their inputs (residual-stream elements), the products what they read.
+    s = n_op if sequence_parallel else 1
+    ln_inputs = 2 * e
     first, last = lo == 0, hi == cfg.n_layer
     vocab_rows = -(-cfg.vocab_size // n_op)
     heads = cfg.n_head / n_op
@@ -118,16 +129,23 @@ def _chunk_bytes(
     per_head = 0.0 if dropout else inv.per_head
     score_bytes = (FP32 + 1 + (FP32 if precision == "fp32" else FP16)) if dropout else 0.0
     per_token_layer = (
-        inv.replicated * h + inv.partitioned * h / n_op + inv.norm_stats + per_head * heads
-    ) + (2 * h if dropout else 0)
+        ln_inputs * h / s
+        + (inv.replicated - ln_inputs) * h
+        + inv.partitioned * h / n_op
+        + inv.norm_stats / s
+        + per_head * heads
+    ) + (2 * h / s if dropout else 0)
     # Beyond the layers: a middle chunk's output waits for its backward; the last keeps
     # ln_f's input, the head's input (its copy under autocast), ln_f's statistics and the
     # cross-entropy's fp32 softmax.
     head_input = FP16 if precision == "bf16" else e
-    extra = (e + head_input) * h + 2 * FP32 + vocab_rows * FP32 if last else h * e
-    extra += h if dropout and first else 0
+    # (Under sequence parallelism ln_f's input and statistics are the shard's, the
+    # head's input the gathered slice.)
+    output = h * e / s
+    extra = (e * h + 2 * FP32) / s + head_input * h + vocab_rows * FP32 if last else output
+    extra += h / s if dropout and first else 0
     per_token = (hi - lo) * per_token_layer + extra
-    own_input = 0.0 if first else h * e  # counted in the layers: LN1 keeps it
+    own_input = 0.0 if first else h * e / s  # counted in the layers: LN1 keeps it
 
     def tokens(u: Unit) -> int:
         return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
@@ -156,7 +174,7 @@ def _chunk_bytes(
     deferred = (lambda u: tokens(u) * per_token_deferred) if split_backward else None
     rebuilt = None
     if recompute == "full":
-        rebuilt = lambda u: kept(u) - tokens(u) * (own_input + (0 if last else h * e))  # noqa: E731
+        rebuilt = lambda u: kept(u) - tokens(u) * (own_input + (0 if last else output))  # noqa: E731
         keeps: Callable[[Unit], float] = lambda u: tokens(u) * own_input  # noqa: E731
     elif recompute == "selective":
         rebuilt = lambda u: scores(u) / (hi - lo) + tokens(u) * fused_core  # noqa: E731
@@ -184,6 +202,7 @@ def rank_memory(
     recompute: str = "none",
     precision: str = "fp32",
     capacity: float = float("inf"),
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """Peak memory of one rank holding the layer ranges ``chunks`` (chunk c's ``[lo,
     hi)``; one range without virtual stages) in tplib's runtime, running ``plan`` in the
@@ -193,7 +212,7 @@ def rank_memory(
     parts = [
         _chunk_bytes(
             cfg, lo, hi, plan=plan, n_op=n_op, recompute=recompute, precision=precision,
-            split_backward=split,
+            split_backward=split, sequence_parallel=sequence_parallel,
         )
         for lo, hi in chunks
     ]  # fmt: skip
@@ -232,10 +251,11 @@ def stage_memory(
     recompute: str = "none",
     precision: str = "fp32",
     capacity: float = float("inf"),
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """Peak memory of one rank of stage ``[lo, hi)`` (one chunk) in tplib's runtime,
     running ``plan`` in the order of its ``actions``: :func:`rank_memory` of one range."""
     return rank_memory(
         cfg, [(lo, hi)], plan=plan, actions=actions, n_op=n_op, recompute=recompute,
-        precision=precision, capacity=capacity,
+        precision=precision, capacity=capacity, sequence_parallel=sequence_parallel,
     )  # fmt: skip

@@ -112,19 +112,27 @@ def keep(p: float, key: DropoutKey, site: int, *coords: Tensor) -> Tensor:
 
 class StageDropout:
     """Dropout of one forward of a stage over b sequences and a slice of positions,
-    keyed by where each element is (see :mod:`tplib.nn.dropout`)."""
+    keyed by where each element is (see :mod:`tplib.nn.dropout`).
 
-    def __init__(self, p: float, key: DropoutKey, x: Tensor, start: int) -> None:
+    ``x`` (batch, tokens, ...) gives the sequences and the device; the hidden states
+    dropped are at positions ``[start, start + length)``, by default ``x``'s tokens (a
+    sequence-parallel rank gives its shard's: the same rows of the same masks)."""
+
+    def __init__(
+        self, p: float, key: DropoutKey, x: Tensor, start: int, *, length: int | None = None
+    ) -> None:
         self.p, self.key, self.scale = p, key, 1.0 / (1.0 - p)
         self.rows = key.rows(x.shape[0], x.device)
-        self.positions = torch.arange(start, start + x.shape[1], device=x.device)
+        length = x.shape[1] if length is None else length
+        self.positions = torch.arange(start, start + length, device=x.device)
 
     def _apply(self, x: Tensor, mask: Tensor) -> Tensor:
         # One pass fewer over the scores than x.masked_fill(~mask, 0) * scale, same values.
         return torch.where(mask, x * self.scale, 0.0)
 
     def hidden(self, x: Tensor, site: int) -> Tensor:
-        """Hidden states (batch, length, hidden), whole on every op rank."""
+        """Hidden states (batch, length, hidden): whole on every op rank, or under
+        sequence parallelism the rank's shard of the tokens."""
         features = torch.arange(x.shape[-1], device=x.device)
         mask = keep(
             self.p, self.key, site, self.rows[:, None, None], self.positions[:, None], features

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tplib.nn.oppart import OpGroup, reduce_from_group
+from tplib.nn.oppart import OpGroup, leave_tensor_parallel
 from tplib.nn.wgrad import DeferredWeightGrads, main_grad, weight_grads_now
 
 __all__ = ["Linear"]
@@ -102,8 +102,9 @@ class Linear(nn.Linear):
 
     Under autocast, or for other dtypes, it is a plain ``nn.Linear``. With an ``op``
     group of several ranks it is row-parallel: each rank multiplies its share of the
-    input features, the partial products are summed over the group, then the
-    (replicated) bias is added once.
+    input features, the partial products are summed over the group (each rank keeping
+    its tokens of the sum under sequence parallelism), then the (replicated) bias is
+    added once.
     """
 
     def __init__(
@@ -131,5 +132,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.op is None:
             return self._product(x, self.bias)
-        out = reduce_from_group(self._product(x, None), self.op)
+        # Summed over the group (reduce-scattered into sequence shards under sequence
+        # parallelism), then the bias: added once, not once per rank.
+        out = leave_tensor_parallel(self._product(x, None), self.op)
         return out if self.bias is None else out + self.bias

@@ -51,7 +51,8 @@ from tplib.nn.dropout import (
 from tplib.nn.linear import Linear
 from tplib.nn.oppart import (
     OpGroup,
-    copy_to_group,
+    enter_tensor_parallel,
+    sequence_shard,
     shard_spec,
     take_shard,
     vocab_parallel_cross_entropy,
@@ -91,10 +92,11 @@ class CausalSelfAttention(nn.Module):
         context: LayerContext | None = None,
         drop: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
+        x = enter_tensor_parallel(x, self.op)  # the whole slice, if x is a sequence shard
         b, length, _ = x.shape
         q, k, v = (
             t.view(b, length, self.n_head, -1).transpose(1, 2)
-            for t in self.qkv(copy_to_group(x, self.op)).split(self.width, dim=2)
+            for t in self.qkv(x).split(self.width, dim=2)
         )
         if context is not None:
             y = slice_attention(q, k, v, context, start, drop, recompute=self.recompute_core)
@@ -118,7 +120,7 @@ class MLP(nn.Module):
         self.proj = Linear(width, cfg.hidden, op)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.fc(copy_to_group(x, self.op))
+        h = self.fc(enter_tensor_parallel(x, self.op))
         return self.proj(F.gelu(h, approximate=self.approximate))
 
 
@@ -173,7 +175,10 @@ class GPTStage(nn.Module):
 
     With ``op`` (#Op > 1) the stage holds this rank's shard of every partitioned
     parameter (see :mod:`tplib.nn.oppart`); hidden states in and out are whole, and equal
-    on every rank of the group.
+    on every rank of the group. Under sequence parallelism (``op.sequence_parallel``)
+    they are this rank's shard of the slice's tokens instead, ``(batch, length / #Op,
+    hidden)`` (:meth:`input_tokens`), and so is everything between the tensor-parallel
+    products: LayerNorms, dropouts and residual adds.
     """
 
     def __init__(
@@ -217,6 +222,15 @@ class GPTStage(nn.Module):
     def n_op(self) -> int:
         return _op_size(self.op)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.op is not None and self.op.sequence_parallel
+
+    def input_tokens(self, length: int) -> int:
+        """The tokens of a slice of ``length`` in this stage's input: all of them (token
+        ids on the first stage), or this rank's shard under sequence parallelism."""
+        return length if self.is_first else sequence_shard(length, self.op)[1]
+
     def new_context(
         self,
         batch: int,
@@ -259,15 +273,20 @@ class GPTStage(nn.Module):
         dropout: DropoutKey | None = None,
     ) -> Tensor:
         length = x.shape[1]
+        if not self.is_first and self.sequence_parallel:
+            length *= self.n_op  # x is this rank's shard of the slice
         self._check_length(start, length)
         if context is None and start != 0:
             raise ValueError(f"start={start} without a context: a slice needs its K/V context")
+        # The tokens of the residual stream on this rank: [first, first + tokens).
+        offset, tokens = sequence_shard(length, self.op)
+        first = start + offset
         # Dropout only in training, which the caller says by giving the iteration's key.
         drop = None
         if dropout is not None and self.cfg.dropout > 0:
-            drop = StageDropout(self.cfg.dropout, dropout, x, start)
+            drop = StageDropout(self.cfg.dropout, dropout, x, first, length=tokens)
         if self.is_first:
-            positions = torch.arange(start, start + length, device=x.device)
+            positions = torch.arange(first, first + tokens, device=x.device)
             x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
             x = x + self.wpe(positions)
             if drop is not None:
@@ -277,7 +296,9 @@ class GPTStage(nn.Module):
             x = block(x, start, None if context is None else context[int(i)], layer)
         if not self.is_last:
             return x
-        logits = self.head(copy_to_group(self.ln_f(x), self.op))
+        # The final LayerNorm on the shard; the vocabulary-parallel head and loss see the
+        # whole slice, so the cross-entropy stays exact.
+        logits = self.head(enter_tensor_parallel(self.ln_f(x), self.op))
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(

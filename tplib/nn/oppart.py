@@ -17,11 +17,23 @@ one. Everything between them is local to the rank, and everything outside them i
 computed identically on every rank, so replicated parameters get identical gradients
 without any further communication.
 
+Sequence parallelism (Korthikanti et al., 2022, "Reducing Activation Recomputation in
+Large Transformer Models") splits what lies outside them, the LayerNorms, dropouts and
+residual adds, along the tokens instead: each op rank holds its shard of the sequence
+there (:func:`sequence_shard`). Two other conjugates then carry the communication, the
+same volume as the all-reduce pair: :func:`gather_from_sequence` (all-gather of the
+shards forward, reduce-scatter of the gradient backward) enters a column-parallel
+product, and :func:`reduce_scatter_to_sequence` (reduce-scatter forward, all-gather
+backward) leaves a row-parallel one. :func:`enter_tensor_parallel` and
+:func:`leave_tensor_parallel` pick the pair the group's mode says. The replicated
+parameters of the sharded regions then see only the rank's tokens: their gradients
+must be summed over the group before the step (the runtime does).
+
 The vocabulary is padded to a multiple of #Op (:func:`padded_vocab`). Padding rows are
 zero, never looked up, and masked out of the softmax, so the partitioned model computes
 exactly the unpadded one.
 
-An :class:`OpGroup` carries the rank's position and the two all-reduces as callables:
+An :class:`OpGroup` carries the rank's position and its collectives as callables:
 the model never imports torch.distributed; the runtime hands it the process group's
 collectives. :func:`shard_spec`, :func:`take_shard` and :func:`merge_shards` map between
 a parameter of the whole model and its shards, for initialisation and for comparing a
@@ -42,9 +54,14 @@ __all__ = [
     "OpGroup",
     "ShardSpec",
     "copy_to_group",
+    "enter_tensor_parallel",
+    "gather_from_sequence",
+    "leave_tensor_parallel",
     "merge_shards",
     "padded_vocab",
     "reduce_from_group",
+    "reduce_scatter_to_sequence",
+    "sequence_shard",
     "shard_spec",
     "take_shard",
     "vocab_parallel_cross_entropy",
@@ -52,20 +69,39 @@ __all__ = [
 ]
 
 Collective = Callable[[Tensor], None]  # reduces a tensor in place over the #Op group
+# Every rank's tensor (all of one shape), in rank order.
+Gather = Callable[[Tensor], list[Tensor]]
+# One tensor per rank (all of one shape) in; out the sum over ranks of this rank's one.
+ReduceScatter = Callable[[list[Tensor]], Tensor]
 
 
 def _no_collective(tensor: Tensor) -> None:
     raise RuntimeError("this OpGroup has no collectives (built for sizing only)")
 
 
+def _no_gather(tensor: Tensor) -> list[Tensor]:
+    raise RuntimeError("this OpGroup has no all-gather (built without sequence parallelism)")
+
+
+def _no_reduce_scatter(tensors: list[Tensor]) -> Tensor:
+    raise RuntimeError("this OpGroup has no reduce-scatter (built without sequence parallelism)")
+
+
 @dataclass(frozen=True)
 class OpGroup:
-    """One rank's place in a stage's #Op group, and the group's in-place all-reduces."""
+    """One rank's place in a stage's #Op group, and the group's collectives.
+
+    ``sequence_parallel``: between the tensor-parallel products each rank holds its
+    shard of the tokens (:func:`sequence_shard`), and the products are entered by an
+    all-gather and left by a reduce-scatter (``all_gather``, ``reduce_scatter``)."""
 
     rank: int
     size: int
     all_reduce: Collective = _no_collective  # sum
     all_reduce_max: Collective = _no_collective
+    sequence_parallel: bool = False
+    all_gather: Gather = _no_gather
+    reduce_scatter: ReduceScatter = _no_reduce_scatter  # sum
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -114,6 +150,92 @@ def reduce_from_group(x: Tensor, group: OpGroup | None) -> Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
+# ---- the sequence-parallel conjugate pair ----------------------------------------------
+
+SEQUENCE_DIM = 1  # hidden states are (batch, tokens, hidden)
+
+
+def sequence_shard(length: int, group: OpGroup | None) -> tuple[int, int]:
+    """(offset, tokens) of this rank's shard of ``length`` tokens: the whole of them
+    without sequence parallelism, else the rank's contiguous 1/#Op of them."""
+    if group is None or group.size == 1 or not group.sequence_parallel:
+        return 0, length
+    if length % group.size:
+        raise ValueError(
+            f"a slice of {length} tokens does not split over #Op={group.size} ranks: "
+            "sequence parallelism needs every slice's length divisible by #Op"
+        )
+    tokens = length // group.size
+    return group.rank * tokens, tokens
+
+
+def _gather(x: Tensor, group: OpGroup) -> Tensor:
+    return torch.cat(group.all_gather(x.contiguous()), dim=SEQUENCE_DIM)
+
+
+def _reduce_scatter(x: Tensor, group: OpGroup) -> Tensor:
+    if x.shape[SEQUENCE_DIM] % group.size:
+        sequence_shard(x.shape[SEQUENCE_DIM], group)  # raises, naming the length
+    parts = [p.contiguous() for p in x.chunk(group.size, dim=SEQUENCE_DIM)]
+    return group.reduce_scatter(parts)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: OpGroup) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: OpGroup) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+def gather_from_sequence(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Enter a column-parallel region from sequence shards: the ranks' shards of ``x``
+    (batch, tokens / #Op, hidden) joined in rank order along the tokens; backward sums
+    the ranks' gradients and hands each rank its shard of the sum (reduce-scatter)."""
+    if group is None or group.size == 1:
+        return x
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Leave a row-parallel region into sequence shards: this rank's shard (its tokens,
+    :func:`sequence_shard`) of the sum of the ranks' partial products ``x``; backward
+    gathers the shards' gradients (all-gather)."""
+    if group is None or group.size == 1:
+        return x
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def enter_tensor_parallel(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Enter a column-parallel product: :func:`gather_from_sequence` under sequence
+    parallelism, else :func:`copy_to_group`."""
+    if group is not None and group.sequence_parallel:
+        return gather_from_sequence(x, group)
+    return copy_to_group(x, group)
+
+
+def leave_tensor_parallel(x: Tensor, group: OpGroup | None) -> Tensor:
+    """Leave a row-parallel product: :func:`reduce_scatter_to_sequence` under sequence
+    parallelism, else :func:`reduce_from_group`."""
+    if group is not None and group.sequence_parallel:
+        return reduce_scatter_to_sequence(x, group)
+    return reduce_from_group(x, group)
+
+
 # ---- vocabulary-parallel embedding and cross-entropy ------------------------------------
 
 
@@ -122,14 +244,14 @@ def vocab_parallel_embedding(
 ) -> Tensor:
     """Embed token ``ids`` with this rank's rows ``[first_row, first_row + rows)`` of the
     (padded) table; ids owned by other ranks contribute zeros, and the sum over the
-    group is the full lookup."""
+    group is the full lookup (under sequence parallelism, this rank's tokens of it)."""
     if group is None or group.size == 1:
         return torch.nn.functional.embedding(ids, weight)
     local = ids - first_row
     outside = (local < 0) | (local >= weight.shape[0])
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_group(out, group)
+    return leave_tensor_parallel(out, group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -152,7 +152,8 @@ class SliceExecutor:
                 f"forward of {unit} out of order: batch slice {b} expects token slice "
                 f"{self._next_forward[b]} next (slices run forward first to last)"
             )
-        expected = (self.plan.batch_slices[b], self.plan.token_slices[b][t])
+        tokens = self.stage.input_tokens(self.plan.token_slices[b][t])  # a sequence shard?
+        expected = (self.plan.batch_slices[b], tokens)
         if tuple(x.shape[:2]) != expected:
             raise ValueError(f"input of {unit} has shape {tuple(x.shape)}, expected {expected}+")
         if self.stage.is_last and targets is None:

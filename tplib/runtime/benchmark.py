@@ -79,6 +79,7 @@ def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
             n_op=run.parallelism.n_op,
             recompute=run.recompute,
             precision=run.precision,
+            sequence_parallel=run.parallelism.sequence_parallel,
         )
         for k in range(schedule.n_stages)
     ]

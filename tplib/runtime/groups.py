@@ -10,7 +10,10 @@ Every rank creates every group in the same order (``new_group`` is collective).
 
 Between stages a tensor travels once: the last op rank of the sender sends it to the
 first op rank of the receiver (forward; backward the first to the last), which broadcasts
-it to its group, as the cluster cost model charges (:mod:`tplib.cluster.layout`).
+it to its group, as the cluster cost model charges (:mod:`tplib.cluster.layout`). Under
+sequence parallelism each op rank holds its own shard of the tokens instead, and sends
+it to the same op rank of the neighbouring stage (as Megatron-LM does): #Op links, each
+carrying 1/#Op of the tensor, and no broadcast.
 
 Several ranks sharing one GPU run on gloo, which moves CUDA tensors only through host
 memory: then every collective and message is staged there (``staged``).
@@ -94,6 +97,20 @@ class RankGroups:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
+    def all_gather(self, tensor: Tensor, group: Group) -> list[Tensor]:
+        """Every rank of ``group``'s ``tensor`` (one shape on all), in rank order."""
+        sent = tensor.cpu() if self.staged else tensor
+        out = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, sent, group=group)
+        return [t.to(tensor.device) for t in out]
+
+    def reduce_scatter(self, tensors: list[Tensor], group: Group) -> Tensor:
+        """The sum over ``group``'s ranks of their ``tensors[i]``, on rank i of it."""
+        sent = [t.cpu() for t in tensors] if self.staged else tensors
+        out = torch.empty_like(sent[0])
+        dist.reduce_scatter(out, sent, group=group)
+        return out.to(tensors[0].device)
+
     def op_group(self) -> OpGroup | None:
         """The model's handle on this stage's #Op group (None without partitioning)."""
         if self.parallelism.n_op == 1:
@@ -103,6 +120,9 @@ class RankGroups:
             self.parallelism.n_op,
             all_reduce=lambda t: self.all_reduce(t, self.op),
             all_reduce_max=lambda t: self.all_reduce(t, self.op, dist.ReduceOp.MAX),
+            sequence_parallel=self.parallelism.sequence_parallel,
+            all_gather=lambda t: self.all_gather(t, self.op),
+            reduce_scatter=lambda ts: self.reduce_scatter(ts, self.op),
         )
 
     def peer_stage(self, action: Action) -> int:
@@ -117,6 +137,8 @@ class RankGroups:
         """(the op rank of this stage that carries ``action``, the rank at the other end)."""
         last = self.parallelism.n_op - 1
         peer = self.peer_stage(action)
+        if self.parallelism.sequence_parallel:  # every op rank carries its own shard
+            return self.op_rank, self.parallelism.rank_of(self.replica, peer, self.op_rank)
         if action.kind in (Kind.SA, Kind.RG):  # to or from the next part's first op rank
             return last, self.parallelism.rank_of(self.replica, peer, 0)
         return 0, self.parallelism.rank_of(self.replica, peer, last)  # RA, SG
@@ -141,8 +163,9 @@ class RankGroups:
             ) from exc
 
     def broadcast_from(self, tensor: Tensor, carrier: int) -> None:
-        """Share what op rank ``carrier`` received with the rest of the #Op group."""
-        if self.op is not None:
+        """Share what op rank ``carrier`` received with the rest of the #Op group (under
+        sequence parallelism each received its own shard: nothing to share)."""
+        if self.op is not None and not self.parallelism.sequence_parallel:
             src = self.parallelism.rank_of(self.replica, self.stage, carrier)
             dist.broadcast(tensor, src, group=self.op)
 

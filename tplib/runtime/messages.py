@@ -12,7 +12,9 @@ place in the list, with the run's timeout; the sends are completed before the al
 (a synchronous schedule's) or at the end of the pass.
 
 Between stages a tensor travels once, between one op rank of each (``RankGroups.wire``);
-the receiving op rank shares it with its #Op group.
+the receiving op rank shares it with its #Op group. Under sequence parallelism each op
+rank sends and receives its own shard of the tokens, to and from the same op rank of
+the neighbouring stage.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Messages:
         self.stage, self.groups, self.hidden = stage, groups, hidden
         self.wire_dtype, self.device = wire_dtype, device
         self.wire = torch.device("cpu") if groups.staged else device
+        # Each message holds 1/shards of a unit's tokens: 1/#Op under sequence parallelism.
+        layout = groups.parallelism
+        self.shards = layout.n_op if layout.sequence_parallel else 1
         # Where this stage posts its messages: list index -> the groups posted there.
         self.posting: dict[int, list[PostGroup]] = {}
         for group in posting:
@@ -63,7 +68,8 @@ class Messages:
 
     def _buffer(self, action: Action) -> Tensor:
         b, t = action.b, action.t
-        shape = (self.plan.batch_slices[b], self.plan.token_slices[b][t], self.hidden)
+        tokens = self.plan.token_slices[b][t] // self.shards
+        shape = (self.plan.batch_slices[b], tokens, self.hidden)
         return torch.empty(shape, dtype=self.wire_dtype, device=self.wire)
 
     def post(self, position: int, outputs: dict[tuple[int, Unit], Tensor]) -> None:

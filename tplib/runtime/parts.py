@@ -48,6 +48,11 @@ class Parallelism:
     (:mod:`tplib.schedule.chunks`), for the schedules that place them: the model is cut
     into v x #Pipe parts, and ``stage_ranges`` then gives one range per part, in model
     order.
+
+    ``sequence_parallel`` (Korthikanti et al., 2022) splits what lies between a stage's
+    tensor-parallel products, the LayerNorms, dropouts and residual adds, along the
+    tokens over its #Op ranks (:mod:`tplib.nn.oppart`): it needs #Op > 1, and every
+    token slice's length divisible by #Op (the run's check, which knows the slicing).
     """
 
     n_stages: int = 1
@@ -56,6 +61,7 @@ class Parallelism:
     ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
     stage_ranges: tuple[StageRange, ...] | None = None
     n_chunks: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_numbers(
@@ -76,6 +82,15 @@ class Parallelism:
                 f"n_op={self.n_op} with ranks_per_node={self.ranks_per_node}: a stage's #Op "
                 "ranks must lie on one node (operation partitioning stays inside a node), so "
                 "#Op must divide the ranks per node"
+            )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"Parallelism.sequence_parallel={self.sequence_parallel!r} must be True or False"
+            )
+        if self.sequence_parallel and self.n_op == 1:
+            raise ValueError(
+                "sequence_parallel=True with n_op=1: sequence parallelism splits the tokens "
+                "over a stage's #Op ranks, so it needs #Op > 1"
             )
 
     @property

@@ -145,6 +145,8 @@ class RunConfig:
         )
         if schedule.asynchronous:
             self._check_asynchronous(cfg)
+        if parallelism.sequence_parallel:
+            self._check_sequence_parallel(plan, schedule)
         posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
             posting = posting_plan(schedule)
@@ -172,6 +174,30 @@ class RunConfig:
                 f"schedule_name={name!r} with dropout={cfg.dropout}: the runtime keys "
                 "dropout masks by iteration, which asynchronous schedules do not do yet; "
                 "set model_overrides dropout=0"
+            )
+
+    def _check_sequence_parallel(self, plan: Plan, schedule: Schedule) -> None:
+        """What sequence parallelism needs: every token slice split evenly over #Op (the
+        shards of a slice), and a synchronous schedule."""
+        n_op = self.parallelism.n_op
+        if self.data.seq_len % n_op:
+            raise ValueError(
+                f"sequence_parallel with seq_len={self.data.seq_len} and n_op={n_op}: each "
+                "op rank holds 1/#Op of every sequence's tokens, so #Op must divide L"
+            )
+        for b, lengths in enumerate(plan.token_slices):
+            if odd := [n for n in lengths if n % n_op]:
+                raise ValueError(
+                    f"sequence_parallel with n_op={n_op}: token slices {odd} of batch slice "
+                    f"{b} (plan {plan.to_paper()}) are not divisible by #Op; each op rank "
+                    "holds 1/#Op of every slice's tokens"
+                )
+        if schedule.asynchronous:
+            raise ValueError(
+                f"schedule_name={self.schedule_name!r} with sequence_parallel: asynchronous "
+                "schedules are not supported with sequence parallelism (its weight "
+                "versions and their gradient sums are untested there); use a synchronous "
+                "schedule"
             )
 
     @property

@@ -9,7 +9,9 @@ zeroed.
 
 Where a parameter's gradient accumulates is its *gradient buffer*
 (:meth:`Update.grad_buffers`): ``.grad`` in fp32 and bf16, the fp32 ``main_grad`` in fp16
-(:mod:`tplib.nn.precision`). The data-parallel and tied-embedding all-reduces sum those.
+(:mod:`tplib.nn.precision`). The data-parallel and tied-embedding all-reduces sum those,
+and under sequence parallelism so does the #Op group's sum of the replicated parameters'
+gradients (:meth:`Update.sum_sequence_shards`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ class Update:
         all-reduce (one copy here) or the local sum (both here) adds up."""
         buffers = [grad_buffer(w) for w in self.tied]
         return [b for b in buffers if b is not None]
+
+    def sum_sequence_shards(self) -> None:
+        """Under sequence parallelism, sum the gradients of the parameters replicated over
+        #Op (LayerNorms, the position embedding, the row-parallel biases) over the #Op
+        group: each rank's holds only its shard of the tokens' part, and the sum is the
+        whole model's gradient, the same on every op rank. Nothing to do otherwise."""
+        if not self.run.parallelism.sequence_parallel or self.groups.op is None:
+            return
+        stage_names = [n for s in self.stages for n, _ in s.named_parameters()]
+        replicated = [
+            g
+            for name, g in zip(stage_names, self.grad_buffers(), strict=True)
+            if shard_spec(name) is None
+        ]
+        if replicated:
+            self.groups.all_reduce_flat(replicated, self.groups.op)
 
     def _counted(self) -> list[bool]:
         """Whether this rank adds each of its parameters' gradient (in ``self.params``

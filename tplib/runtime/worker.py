@@ -200,6 +200,7 @@ class Worker:
             shared[1].copy_(shared[0])
         elif shared and self.groups.tied is not None:
             self.groups.all_reduce(shared[0], self.groups.tied)
+        self.update.sum_sequence_shards()  # sequence parallelism's replicated parameters
         if self.groups.data is not None:
             # The loss is already scaled by the global batch: summing gives the mean's
             # gradient.
