@@ -268,15 +268,19 @@ def test_dropout_on_a_3d_layout_matches_single_process(pools: Callable[[int], Lo
     _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_sequence_parallel_3d_layout_with_dropout_matches_single_process(
-    pools: Callable[[int], LocalPool],
+    pools: Callable[[int], LocalPool], recompute: str
 ) -> None:
     """Sequence parallelism on (#Data, #Pipe, #Op) = (2, 2, 2), token slices, dropout:
     each op rank holds and sends its half of every slice's tokens, its dropout masks are
     its half's rows, and the replicated parameters' gradients are summed over #Op. The
-    gradients (replicated ones included) and parameters are equal on every op rank."""
+    gradients (replicated ones included) and parameters are equal on every op rank. With
+    selective recomputation too: Megatron's published recipe."""
     plan = Plan((1, 1), ((6, 10), (2, 6, 8)))  # every slice's length divisible by #Op
-    run = _config("terapipe", 2, 2, plan, n_op=2, model_overrides=(("dropout", 0.1),))
+    run = _config(
+        "terapipe", 2, 2, plan, n_op=2, recompute=recompute, model_overrides=(("dropout", 0.1),)
+    )
     run = replace(run, parallelism=replace(run.parallelism, sequence_parallel=True))
     result = pools(run.parallelism.world_size).run(run, COLLECT)
     _check_against_reference(run, result)
