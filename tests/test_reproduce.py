@@ -37,6 +37,7 @@ SMALL = {
     "seqlen_sweep": {"seq_lens": [2048, 8192]},
     "pipeline_systems": {"settings": [8]},
     "layout_search": {"settings": [10]},
+    "modern_clusters": {"settings": [10], "clusters": ["dgx-h100"]},
 }
 
 
@@ -96,6 +97,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
         "seqlen_sweep",
         "pipeline_systems",
         "layout_search",
+        "modern_clusters",
     ):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
@@ -108,7 +110,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert (copy / path).resolve() == (results / "SUMMARY.md").resolve()
     assert printed == summary + "\n"
     # Each table's reproduced rows equal the copy's committed ones.
-    assert summary.count("**Equal to the committed reference**") == 5, summary
+    assert summary.count("**Equal to the committed reference**") == 6, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
     assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
 
@@ -348,6 +350,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("seqlen_sweep", "simulate"),
         ("pipeline_systems", "simulate"),
         ("layout_search", "simulate"),
+        ("modern_clusters", "simulate"),
         ("main_results", "measure"),
         ("dp_ablation", "measure"),
         ("seqlen_sweep", "measure"),
@@ -355,7 +358,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("pipeline_systems", "measure"),
     ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
-    assert per_mode[0].params == {"settings": [9]} and per_mode[5].params == {}
+    assert per_mode[0].params == {"settings": [9]} and per_mode[6].params == {}
     with pytest.raises(ValueError, match=r"mode='fast'"):
         default_jobs("fast")
     with pytest.raises(ValueError, match=r"unknown table 'table9'"):

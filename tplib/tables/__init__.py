@@ -9,6 +9,7 @@ table                      paper                  module
 ``simulator_validation``   (method)               :mod:`tplib.tables.validation`
 ``pipeline_systems``       PipeDream-2BW §5       :mod:`tplib.tables.pipeline_systems`
 ``layout_search``          Table 1 (layouts)      :mod:`tplib.tables.layout_search`
+``modern_clusters``        (beyond: DGX nodes)    :mod:`tplib.tables.modern_clusters`
 =========================  =====================  ======================================
 
 :func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
@@ -59,6 +60,7 @@ _MODULES = {
     "simulator_validation": "validation",
     "pipeline_systems": "pipeline_systems",
     "layout_search": "layout_search",
+    "modern_clusters": "modern_clusters",
 }
 TABLE_NAMES = tuple(_MODULES)
 
