@@ -48,6 +48,11 @@ class Parallelism:
     (:mod:`tplib.schedule.chunks`), for the schedules that place them: the model is cut
     into v x #Pipe parts, and ``stage_ranges`` then gives one range per part, in model
     order.
+
+    ``distributed_optimizer`` shards the optimizer state over the #Data replicas of each
+    (stage, op rank), as Megatron's distributed optimizer (ZeRO stage 1,
+    :mod:`tplib.nn.sharded_optimizer`): the gradients are reduce-scattered instead of
+    all-reduced, each replica steps its shard, and the parameters are all-gathered.
     """
 
     n_stages: int = 1
@@ -56,6 +61,7 @@ class Parallelism:
     ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
     stage_ranges: tuple[StageRange, ...] | None = None
     n_chunks: int = 1
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         check_numbers(
@@ -70,6 +76,11 @@ class Parallelism:
         if r is not None and not (isinstance(r, tuple | list) and all(map(is_int_pair, r))):
             raise ValueError(
                 f"Parallelism.stage_ranges={r!r} must be (lo, hi) integer pairs, one per stage"
+            )
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(
+                f"Parallelism.distributed_optimizer={self.distributed_optimizer!r} must be "
+                "True or False"
             )
         if self.ranks_per_node % self.n_op:
             raise ValueError(
