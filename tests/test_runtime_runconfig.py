@@ -67,6 +67,9 @@ def make(fields: Mapping[str, object]) -> RunConfig:
         ({"data.source": "web"}, r"Data.source='web': choose one of \('synthetic', 'stdlib'\)"),
         ({"parallelism": {"n_stages": 2}}, r"RunConfig.parallelism=\{'n_stages': 2\} must be a Parallelism"),
         ({"timing": Data()}, r"RunConfig.timing=Data\(.*\) must be a Timing"),
+        ({"parallelism.distributed_optimizer": 1}, r"Parallelism.distributed_optimizer=1 must be True or False"),
+        ({"schedule_name": "pipedream", "optim.grad_clip": 0, "parallelism.n_stages": 2, "parallelism.distributed_optimizer": True}, r"schedule_name='pipedream' with distributed_optimizer=True: an asynchronous schedule swaps each parameter's storage"),
+        ({"schedule_name": "2bw", "optim.grad_clip": 0, "parallelism.n_stages": 2, "data.batch": 4, "parallelism.n_data": 2, "parallelism.distributed_optimizer": True}, r"schedule_name='2bw' with distributed_optimizer=True"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_when_the_config_is_made(fields: dict[str, object], match: str) -> None:
