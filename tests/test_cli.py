@@ -319,6 +319,23 @@ def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
     assert tokens[tokens.index("--out") + 1] == "result.pt"
 
 
+def test_run_writes_the_distributed_optimizer_into_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tplib.runtime import load_run_config
+
+    out = tmp_path / "run.json"
+    argv = ["run", "--setting", "1", "--plan", "gpipe", "--distributed-optimizer"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "#Data=8 x #Pipe=24" in capsys.readouterr().out
+    run = load_run_config(out)
+    assert (run.parallelism.n_data, run.parallelism.distributed_optimizer) == (8, True)
+    assert run == dataclasses.replace(
+        setting_run(1, plan="gpipe"),
+        parallelism=dataclasses.replace(run.parallelism, distributed_optimizer=True),
+    )
+
+
 def test_run_refuses_a_setting_outside_table1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -368,6 +385,10 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
             "n_chunks=3 with 2 stages of model tiny's 4 layers",
         ),
         (["--schedule", "interleaved-1f1b"], "--slices=4 with interleaved-1f1b: interleaved-1f1b"),
+        (
+            ["--schedule", "2bw", "--slices", "1", "--distributed-optimizer"],
+            "schedule_name='2bw' with distributed_optimizer=True: an asynchronous",
+        ),
     ],
 )
 def test_bench_bad_layouts_exit_2(

@@ -5,6 +5,7 @@ Jupyter) and ``reproduce`` (every table notebook)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -89,7 +90,11 @@ def bench_command(args: argparse.Namespace) -> int:
         model=args.model,
         schedule_name=args.schedule,
         parallelism=Parallelism(
-            n_stages=args.stages, n_data=args.data, n_op=args.op, n_chunks=chunks
+            n_stages=args.stages,
+            n_data=args.data,
+            n_op=args.op,
+            n_chunks=chunks,
+            distributed_optimizer=args.distributed_optimizer,
         ),
         recompute=args.recompute,
         precision=args.dtype,
@@ -111,7 +116,8 @@ def bench_command(args: argparse.Namespace) -> int:
     par, data = run.parallelism, run.data
     print(
         f"{run.schedule_name}: {run.model}, K={par.n_stages}, #Data={par.n_data}, "
-        f"#Op={par.n_op}, B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
+        f"#Op={par.n_op}{' (distributed optimizer)' if par.distributed_optimizer else ''}, "
+        f"B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
         f"{run.precision} on {run.device}, plan {result.plan}"
     )
     if run.padded_vocab != run.cfg.vocab_size:
@@ -236,12 +242,16 @@ def run_command(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
     )
+    if args.distributed_optimizer:
+        sharded = dataclasses.replace(run.parallelism, distributed_optimizer=True)
+        run = dataclasses.replace(run, parallelism=sharded)
     save_run_config(run, args.out)
     par = run.parallelism
     print(
         f"setting ({args.setting}): {run.model}, L={run.data.seq_len}, B={run.data.batch}, "
         f"#Data={par.n_data} x #Pipe={par.n_stages} x #Op={par.n_op} = {par.world_size} GPUs, "
-        f"{run.precision}, recompute={run.recompute}, {run.schedule_name} plan "
+        f"{run.precision}, recompute={run.recompute}, "
+        f"{'distributed optimizer, ' if par.distributed_optimizer else ''}{run.schedule_name} plan "
         f"{run.plan.to_paper()}"
     )
     if run.padded_vocab != run.cfg.vocab_size:
