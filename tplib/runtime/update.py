@@ -128,17 +128,17 @@ class Update:
         return flat_views(flat, [p.shape for p in self.params], opt.layout)
 
     def _counted(self) -> list[bool]:
-        """Whether this rank adds each of its gradients (:meth:`optimizer.grads`, in
+        """Whether this rank adds each of its gradients (the optimizer's ``grads()``, in
         order: per parameter, or with the distributed optimizer per piece of its shard)
         to the global norm: every gradient of the model exactly once.
 
         Data-parallel replicas hold equal gradients after the all-reduce: replica 0
         counts them; with the distributed optimizer each replica holds the sum of its
-        own shard only, and counts that. Replicated parameters (shard_spec None) are equal on every op rank:
-        op rank 0 counts them; every op rank counts its shard of a partitioned one
-        (vocabulary padding rows have zero gradient). The tied embedding's two copies
-        hold the same summed gradient after the tied all-reduce: the first part's (the
-        embedding, not the head) counts it.
+        own shard only, and counts that. Replicated parameters (shard_spec None) are
+        equal on every op rank: op rank 0 counts them; every op rank counts its shard of
+        a partitioned one (vocabulary padding rows have zero gradient). The tied
+        embedding's two copies hold the same summed gradient after the tied all-reduce:
+        the first part's (the embedding, not the head) counts it.
         """
         g = self.groups
         counted = []
