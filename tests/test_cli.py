@@ -332,6 +332,23 @@ def test_run_with_sequence_parallelism_records_it(
     assert "sequence-parallel" in capsys.readouterr().out
 
 
+def test_run_writes_the_distributed_optimizer_into_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tplib.runtime import load_run_config
+
+    out = tmp_path / "run.json"
+    argv = ["run", "--setting", "1", "--plan", "gpipe", "--distributed-optimizer"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "#Data=8 x #Pipe=24" in capsys.readouterr().out
+    run = load_run_config(out)
+    assert (run.parallelism.n_data, run.parallelism.distributed_optimizer) == (8, True)
+    assert run == dataclasses.replace(
+        setting_run(1, plan="gpipe"),
+        parallelism=dataclasses.replace(run.parallelism, distributed_optimizer=True),
+    )
+
+
 def test_run_refuses_a_setting_outside_table1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -385,6 +402,10 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
         (
             ["--op", "4", "--slices", "8", "--sequence-parallel"],
             "n_op=4: token slices [2, 2, 2, 2, 2, 2, 2, 2] of batch slice 0",
+        ),
+        (
+            ["--schedule", "2bw", "--slices", "1", "--distributed-optimizer"],
+            "schedule_name='2bw' with distributed_optimizer=True: an asynchronous",
         ),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -324,6 +325,31 @@ def test_stage_memory_with_sequence_parallelism_matches_the_measured_runtime(
         )
         assert sp < tp, (stage, sp, tp)
     _check_model_against_measurement(run, result, 2)
+
+
+def test_distributed_optimizer_memory_matches_the_measured_runtime(
+    pools: Callable[[int], LocalPool],
+) -> None:
+    """#Data = 2, the optimizer state sharded: each replica keeps its stage's weights and
+    gradients, and Adam's m and v of half of them."""
+    run = replace(
+        _run_config("terapipe", 1, "none"),
+        parallelism=Parallelism(n_stages=2, n_data=2, distributed_optimizer=True),
+        data=Data(batch=4, seq_len=32),
+    )
+    result = pools(run.parallelism.world_size).run(run)
+    modelled = modelled_memory(run)
+    assert len(result.ranks) == 4
+    for r in result.ranks:
+        assert r.memory is not None and r.memory.source == "counted"
+        m, x = modelled[r.stage], r.memory
+        where = f"stage {r.stage} replica {r.replica}: modelled {m} vs measured {x}"
+        assert abs(m.total / x.total - 1) <= 0.10, where
+        states = x.params + x.grads + x.optimizer
+        assert abs(m.states / states - 1) <= 0.01, where
+        # The unsharded state would be a third too large: the check tells them apart.
+        whole = replace(run, parallelism=replace(run.parallelism, distributed_optimizer=False))
+        assert modelled_memory(whole)[r.stage].states / states - 1 > 0.3, where
 
 
 def _check_model_against_measurement(run: RunConfig, result: RunResult, n_op: int) -> None:

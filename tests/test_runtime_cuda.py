@@ -41,6 +41,7 @@ In this process the single-process tests switch TF32 off explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -283,6 +284,31 @@ def test_mixed_precision_on_cuda_is_close_to_fp32(
     # skipped) they hold inf/NaN and say nothing about precision.
     first_finite = all(torch.isfinite(g).all() for g in result.grads().values())
     assert first_finite or n_skipped == 1, "an overflowing iteration must be skipped"
+    _check_mixed(run, result, loss_rel=2e-2, grad_rel=5e-2, grads=first_finite)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_distributed_optimizer_on_cuda(
+    shared_gpu: Callable[[int], LocalPool], precision: str
+) -> None:
+    """#Data = 2, the optimizer state sharded: the reduce-scatter and all-gather on NCCL,
+    or staged through host memory where the four ranks share a GPU; fp16's skip taken by
+    every rank together, on the unscaled shards."""
+    run = _config(device=DEVICE, precision=precision)
+    run = dataclasses.replace(
+        run,
+        parallelism=dataclasses.replace(run.parallelism, n_data=2, distributed_optimizer=True),
+        data=dataclasses.replace(run.data, batch=4),
+    )
+    result = shared_gpu(run.parallelism.world_size).run(run, COLLECT)
+    if precision == "fp32":
+        _check_fp32(run, result, tol=1e-4)
+        return
+    skipped = {r.steps_skipped for r in result.ranks}
+    assert len(skipped) == 1 and skipped.pop() <= 1, f"ranks skipped {skipped} steps"
+    first_finite = all(torch.isfinite(g).all() for g in result.grads().values())
     _check_mixed(run, result, loss_rel=2e-2, grad_rel=5e-2, grads=first_finite)
 
 

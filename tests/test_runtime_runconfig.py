@@ -73,6 +73,9 @@ def make(fields: Mapping[str, object]) -> RunConfig:
         ({"schedule_name": "pipedream", "parallelism.n_stages": 2, "parallelism.n_op": 2, "parallelism.sequence_parallel": True, "optim.grad_clip": 0.0}, r"schedule_name='pipedream' with sequence_parallel: asynchronous schedules are not supported"),
         ({"parallelism": {"n_stages": 2}}, r"RunConfig.parallelism=\{'n_stages': 2\} must be a Parallelism"),
         ({"timing": Data()}, r"RunConfig.timing=Data\(.*\) must be a Timing"),
+        ({"parallelism.distributed_optimizer": 1}, r"Parallelism.distributed_optimizer=1 must be True or False"),
+        ({"schedule_name": "pipedream", "optim.grad_clip": 0, "parallelism.n_stages": 2, "parallelism.distributed_optimizer": True}, r"schedule_name='pipedream' with distributed_optimizer=True: an asynchronous schedule swaps each parameter's storage"),
+        ({"schedule_name": "2bw", "optim.grad_clip": 0, "parallelism.n_stages": 2, "data.batch": 4, "parallelism.n_data": 2, "parallelism.distributed_optimizer": True}, r"schedule_name='2bw' with distributed_optimizer=True"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_when_the_config_is_made(fields: dict[str, object], match: str) -> None:

@@ -63,6 +63,10 @@ def test_run_config_round_trips_through_json(tmp_path: Path) -> None:
     written = run_config_to_dict(sequence_parallel)
     assert written["parallelism"]["sequence_parallel"] is True
     assert run_config_from_dict(written) == sequence_parallel
+    sharded = RunConfig(
+        parallelism=Parallelism(n_data=2, distributed_optimizer=True), data=Data(batch=2)
+    )
+    assert run_config_from_dict(run_config_to_dict(sharded)) == sharded
     uniform = RunConfig(data=Data(batch=2, seq_len=16), slicing=4)
     assert run_config_to_dict(uniform)["slicing"] == 4
     assert run_config_from_dict(run_config_to_dict(uniform)) == uniform
@@ -74,7 +78,7 @@ def test_format_2_nests_each_part() -> None:
     assert set(written) == {"format"} | {f for f in RunConfig.__dataclass_fields__ if f[0] != "_"}
     assert written["parallelism"] == {
         "n_stages": 2, "n_data": 1, "n_op": 1, "ranks_per_node": 0, "stage_ranges": None,
-        "n_chunks": 1, "sequence_parallel": False,
+        "n_chunks": 1, "sequence_parallel": False, "distributed_optimizer": False,
     }  # fmt: skip
     assert written["timing"] == {"steps": 1, "warmup": 0, "timeout_s": 180.0, "threads": 0}
     # A part or a field left out takes its default.

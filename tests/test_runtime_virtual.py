@@ -14,6 +14,7 @@ reference (fp32, 1e-5), as in tests/test_runtime.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -153,3 +154,18 @@ def test_a_one_chunk_schedule_refuses_chunks_and_zbv_wants_two() -> None:
         RunConfig(schedule_name="1f1b", parallelism=Parallelism(n_stages=2, n_chunks=2))
     with pytest.raises(ValueError, match="n_chunks=1 with schedule 'zbv': it holds exactly 2"):
         RunConfig(schedule_name="zbv", parallelism=Parallelism(n_stages=2), data=Data(batch=2))
+
+
+def test_distributed_optimizer_on_a_v_matches_single_process(
+    pools: Callable[[int], LocalPool],
+) -> None:
+    """The V of ZB-V, #Data = 2, with the distributed optimizer and recomputation: a
+    stage's two chunks and both copies of the tied embedding in one flat buffer, split
+    backwards adding their weight gradients into it; two steps."""
+    run = _chunked("terapipe-zbv", 2, 2, 2, 1, "full", REPLICA)
+    run = replace(
+        run,
+        parallelism=replace(run.parallelism, distributed_optimizer=True),
+        timing=replace(run.timing, steps=2),
+    )
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))

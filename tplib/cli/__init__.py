@@ -217,6 +217,12 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=partition_command)
 
 
+DISTRIBUTED_OPTIMIZER = (
+    "shard the optimizer state over #Data (Megatron's distributed optimizer: gradients "
+    "reduce-scattered, each replica steps its shard, parameters all-gathered)"
+)
+
+
 def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="time a schedule on local processes (the real runtime)")
     p.add_argument(
@@ -246,6 +252,7 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="none, selective (the attention core again in backward) or full (the whole "
         "forward again in backward)",
     )
+    p.add_argument("--distributed-optimizer", action="store_true", help=DISTRIBUTED_OPTIMIZER)
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -290,6 +297,7 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="split LayerNorms, dropouts and residual adds along the tokens over #Op",
     )
+    p.add_argument("--distributed-optimizer", action="store_true", help=DISTRIBUTED_OPTIMIZER)
     p.add_argument("--steps", type=COUNT, default=10, help="timed iterations")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed iterations first")
     p.add_argument("--out", default="run.json", help="the config file to write")

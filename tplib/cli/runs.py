@@ -95,6 +95,7 @@ def bench_command(args: argparse.Namespace) -> int:
             n_op=args.op,
             n_chunks=chunks,
             sequence_parallel=args.sequence_parallel,
+            distributed_optimizer=args.distributed_optimizer,
         ),
         recompute=args.recompute,
         precision=args.dtype,
@@ -116,7 +117,8 @@ def bench_command(args: argparse.Namespace) -> int:
     par, data = run.parallelism, run.data
     print(
         f"{run.schedule_name}: {run.model}, K={par.n_stages}, #Data={par.n_data}, "
-        f"#Op={par.n_op}{' sequence-parallel' if par.sequence_parallel else ''}, "
+        f"#Op={par.n_op}{' sequence-parallel' if par.sequence_parallel else ''}"
+        f"{' (distributed optimizer)' if par.distributed_optimizer else ''}, "
         f"B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
         f"{run.precision} on {run.device}, plan {result.plan}"
     )
@@ -245,13 +247,17 @@ def run_command(args: argparse.Namespace) -> int:
     if args.sequence_parallel:  # checked (the slices against #Op) as the run is remade
         layout = dataclasses.replace(run.parallelism, sequence_parallel=True)
         run = dataclasses.replace(run, parallelism=layout)
+    if args.distributed_optimizer:
+        sharded = dataclasses.replace(run.parallelism, distributed_optimizer=True)
+        run = dataclasses.replace(run, parallelism=sharded)
     save_run_config(run, args.out)
     par = run.parallelism
     print(
         f"setting ({args.setting}): {run.model}, L={run.data.seq_len}, B={run.data.batch}, "
         f"#Data={par.n_data} x #Pipe={par.n_stages} x #Op={par.n_op} = {par.world_size} GPUs"
         f"{' (sequence-parallel)' if par.sequence_parallel else ''}, "
-        f"{run.precision}, recompute={run.recompute}, {run.schedule_name} plan "
+        f"{run.precision}, recompute={run.recompute}, "
+        f"{'distributed optimizer, ' if par.distributed_optimizer else ''}{run.schedule_name} plan "
         f"{run.plan.to_paper()}"
     )
     if run.padded_vocab != run.cfg.vocab_size:

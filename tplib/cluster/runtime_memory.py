@@ -18,6 +18,12 @@ statistics, the dropout masks of the residual stream, a stage's input and output
 products' inputs are all-gathered and kept whole, as tplib's runtime keeps them (it does
 not all-gather them again in backward, as Megatron-LM does).
 
+With Megatron's distributed optimizer (:mod:`tplib.nn.sharded_optimizer`,
+``optimizer_shards`` = #Data) a rank keeps every weight and gradient of its stage but
+Adam's m and v (fp16: and the fp32 master weight) of its 1/#Data shard only, and a step
+counter per piece of a parameter in its shard; the flat buffers' padding (fewer than #Data
+elements) is left out.
+
 With virtual stages a rank holds several chunks (:func:`rank_memory`): each keeps its
 own layers' weights, states and K/V contexts, and a unit in flight on a chunk keeps that
 chunk's activations, from the chunk's forward to its backward; the rank's peak is of
@@ -45,6 +51,9 @@ _RUNTIME_STATE_BYTES = {
     "bf16": FP32 + FP32 + FP32 + FP32,  # autocast: parameters stay fp32
     "fp16": FP16 + FP32 + FP32 + FP32 + FP32,
 }
+# What the distributed optimizer shards over #Data, of the above: Adam's m and v, and
+# fp16's master weight.
+_SHARDED_STATE_BYTES = {"fp32": FP32 + FP32, "bf16": FP32 + FP32, "fp16": FP32 + FP32 + FP32}
 ADAM_STEP_BYTES = FP32  # torch's AdamW keeps a float32 step counter per parameter tensor
 PARAM_TENSORS_PER_LAYER = 12  # 2 LayerNorms, QKV, projection, FC1, FC2: weight and bias each
 
@@ -111,6 +120,7 @@ def _chunk_bytes(
     precision: str,
     split_backward: bool,
     sequence_parallel: bool = False,
+    optimizer_shards: int = 1,
 ) -> _ChunkBytes:
     """What layers ``[lo, hi)`` of one rank keep, per unit and in all."""
     inv = _runtime_inventory(precision)
@@ -186,7 +196,9 @@ def _chunk_bytes(
     params = stage_params(cfg, lo, hi, n_op=n_op)
     tensors = (hi - lo) * PARAM_TENSORS_PER_LAYER + 2 * first + 3 * last
     tensors -= int(first and last and cfg.tie_embeddings)  # one shared embedding
-    states = params * _RUNTIME_STATE_BYTES[precision] + tensors * ADAM_STEP_BYTES
+    sharded = _SHARDED_STATE_BYTES[precision]
+    states = params * (_RUNTIME_STATE_BYTES[precision] - sharded + sharded / optimizer_shards)
+    states += tensors / optimizer_shards * ADAM_STEP_BYTES
     context_element = FP32 if precision == "fp32" else FP16
     contexts = 4 * (hi - lo) * plan.batch * plan.seq_len * h / n_op * context_element
     return _ChunkBytes(keeps, rebuilt, deferred, inv.weight_copy * products, states, contexts)
@@ -203,16 +215,19 @@ def rank_memory(
     precision: str = "fp32",
     capacity: float = float("inf"),
     sequence_parallel: bool = False,
+    optimizer_shards: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of one rank holding the layer ranges ``chunks`` (chunk c's ``[lo,
     hi)``; one range without virtual stages) in tplib's runtime, running ``plan`` in the
-    order of its ``actions`` (see the module docstring)."""
+    order of its ``actions``, its optimizer state sharded over ``optimizer_shards`` ranks
+    (the distributed optimizer's #Data; 1: not sharded). See the module docstring."""
     check_recompute(recompute)
     split = any(a.kind is Kind.W for a in actions)
     parts = [
         _chunk_bytes(
             cfg, lo, hi, plan=plan, n_op=n_op, recompute=recompute, precision=precision,
             split_backward=split, sequence_parallel=sequence_parallel,
+            optimizer_shards=optimizer_shards,
         )
         for lo, hi in chunks
     ]  # fmt: skip
@@ -252,10 +267,12 @@ def stage_memory(
     precision: str = "fp32",
     capacity: float = float("inf"),
     sequence_parallel: bool = False,
+    optimizer_shards: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of one rank of stage ``[lo, hi)`` (one chunk) in tplib's runtime,
     running ``plan`` in the order of its ``actions``: :func:`rank_memory` of one range."""
     return rank_memory(
         cfg, [(lo, hi)], plan=plan, actions=actions, n_op=n_op, recompute=recompute,
         precision=precision, capacity=capacity, sequence_parallel=sequence_parallel,
+        optimizer_shards=optimizer_shards,
     )  # fmt: skip

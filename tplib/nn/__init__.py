@@ -14,6 +14,8 @@ of training it. One mechanism per module:
 - :mod:`~tplib.nn.dropout`: dropout keyed by position;
 - :mod:`~tplib.nn.precision`, :mod:`~tplib.nn.optimizer`, :mod:`~tplib.nn.lr`: fp32, bf16
   and fp16, their optimizers, the learning-rate schedule;
+- :mod:`~tplib.nn.sharded_optimizer`: Megatron's distributed optimizer, AdamW on one
+  replica's shard of flat parameter and gradient buffers;
 - :mod:`~tplib.nn.bytecount`: the bytes behind tensors, parameters, gradients and optimizer
   state;
 - :mod:`~tplib.nn.data`, :mod:`~tplib.nn.corpus`: token batches, synthetic or real text;

@@ -35,7 +35,7 @@ The optimizers of the three precisions, and the fp16 step: :mod:`tplib.nn.optimi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -74,18 +74,22 @@ def _move_to_main_grad(param: Tensor) -> None:
         param.grad = None
 
 
-def attach_main_grads(params: Iterable[Tensor]) -> list[Tensor]:
+def attach_main_grads(
+    params: Iterable[Tensor], buffers: Sequence[Tensor] | None = None
+) -> list[Tensor]:
     """Give each parameter an fp32 ``main_grad`` its gradient accumulates in (see the
     module docstring), once: a parameter that has one keeps it. Returns them in order.
+    ``buffers``: zeroed fp32 tensors to use, one per parameter in order (views of one
+    flat buffer, :mod:`tplib.nn.sharded_optimizer`); by default each is allocated.
 
     The model's products add into ``main_grad`` themselves; for every other use of the
     parameter a post-accumulate-grad hook moves the fp16 ``.grad`` autograd leaves into
     it and frees the ``.grad``."""
     mains = []
-    for p in params:
+    for i, p in enumerate(params):
         main = main_grad(p)
         if main is None:
-            main = torch.zeros_like(p, dtype=torch.float32)
+            main = torch.zeros_like(p, dtype=torch.float32) if buffers is None else buffers[i]
             p.main_grad = main  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(_move_to_main_grad)
         mains.append(main)

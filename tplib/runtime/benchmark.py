@@ -68,7 +68,7 @@ def busiest_stage_work(trace: pd.DataFrame) -> pd.Series:
 def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
     """The analytic model's peak memory of one rank of each stage of ``run`` (with
     virtual stages, of all the stage's chunks together)."""
-    schedule = run.schedule
+    schedule, par = run.schedule, run.parallelism
     return [
         rank_memory(
             run.cfg,
@@ -76,10 +76,11 @@ def modelled_memory(run: RunConfig) -> list[MemoryEstimate]:
             # An asynchronous schedule's units span every iteration: its own plan names them.
             plan=schedule.plan,
             actions=schedule.actions[k],
-            n_op=run.parallelism.n_op,
+            n_op=par.n_op,
             recompute=run.recompute,
             precision=run.precision,
             sequence_parallel=run.parallelism.sequence_parallel,
+            optimizer_shards=par.n_data if par.distributed_optimizer else 1,
         )
         for k in range(schedule.n_stages)
     ]

@@ -1,5 +1,6 @@
 """Who a rank talks to: its process groups, its peer across each stage boundary, and
-all-reduces that work under gloo with CUDA tensors.
+collectives (all-reduce; the distributed optimizer's reduce-scatter and all-gather) that
+work under gloo with CUDA tensors.
 
 Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
 ``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
@@ -110,6 +111,30 @@ class RankGroups:
         out = torch.empty_like(sent[0])
         dist.reduce_scatter(out, sent, group=group)
         return out.to(tensors[0].device)
+
+    def reduce_scatter_flat(self, flat: Tensor, shard: Tensor, group: Group) -> None:
+        """Sum ``flat`` over ``group`` into ``shard``, this rank's equal part of it (in
+        place: ``shard`` is a view of ``flat``); the rest of ``flat`` holds no sum after."""
+        # *_single: newer torch's names for *_tensor, which warn there.
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        if not self.staged:
+            scatter(shard, flat, group=group)
+            return
+        host = flat.cpu()
+        out = torch.empty_like(shard, device="cpu")
+        scatter(out, host, group=group)
+        shard.copy_(out)
+
+    def all_gather_flat(self, flat: Tensor, shard: Tensor, group: Group) -> None:
+        """Fill ``flat`` with every rank of ``group``'s ``shard``, in rank order (in
+        place: ``shard`` is this rank's view of ``flat``)."""
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        if not self.staged:
+            gather(flat, shard, group=group)
+            return
+        host = torch.empty_like(flat, device="cpu")
+        gather(host, shard.cpu(), group=group)
+        flat.copy_(host)
 
     def op_group(self) -> OpGroup | None:
         """The model's handle on this stage's #Op group (None without partitioning)."""

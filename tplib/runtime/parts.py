@@ -53,6 +53,10 @@ class Parallelism:
     tensor-parallel products, the LayerNorms, dropouts and residual adds, along the
     tokens over its #Op ranks (:mod:`tplib.nn.oppart`): it needs #Op > 1, and every
     token slice's length divisible by #Op (the run's check, which knows the slicing).
+    ``distributed_optimizer`` shards the optimizer state over the #Data replicas of each
+    (stage, op rank), as Megatron's distributed optimizer (ZeRO stage 1,
+    :mod:`tplib.nn.sharded_optimizer`): the gradients are reduce-scattered instead of
+    all-reduced, each replica steps its shard, and the parameters are all-gathered.
     """
 
     n_stages: int = 1
@@ -62,6 +66,7 @@ class Parallelism:
     stage_ranges: tuple[StageRange, ...] | None = None
     n_chunks: int = 1
     sequence_parallel: bool = False
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         check_numbers(
@@ -76,6 +81,11 @@ class Parallelism:
         if r is not None and not (isinstance(r, tuple | list) and all(map(is_int_pair, r))):
             raise ValueError(
                 f"Parallelism.stage_ranges={r!r} must be (lo, hi) integer pairs, one per stage"
+            )
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(
+                f"Parallelism.distributed_optimizer={self.distributed_optimizer!r} must be "
+                "True or False"
             )
         if self.ranks_per_node % self.n_op:
             raise ValueError(

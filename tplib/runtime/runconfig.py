@@ -163,6 +163,13 @@ class RunConfig:
                 "update, the flush an asynchronous schedule exists to avoid; set "
                 "Optim(grad_clip=0)"
             )
+        if self.parallelism.distributed_optimizer:
+            raise ValueError(
+                f"schedule_name={name!r} with distributed_optimizer=True: an asynchronous "
+                "schedule swaps each parameter's storage between weight versions, and the "
+                "distributed optimizer keeps every parameter in the one flat buffer it steps "
+                "and all-gathers; set Parallelism(distributed_optimizer=False)"
+            )
         if self.precision == "fp16":
             raise ValueError(
                 f"schedule_name={name!r} with precision='fp16': skipping an overflowing "

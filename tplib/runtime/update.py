@@ -12,6 +12,14 @@ Where a parameter's gradient accumulates is its *gradient buffer*
 (:mod:`tplib.nn.precision`). The data-parallel and tied-embedding all-reduces sum those,
 and under sequence parallelism so does the #Op group's sum of the replicated parameters'
 gradients (:meth:`Update.sum_sequence_shards`).
+
+With the distributed optimizer (``Parallelism.distributed_optimizer``) the buffers are
+views of one flat buffer: after the tied all-reduce they are reduce-scattered over #Data
+instead of all-reduced, each replica clips and steps its own shard
+(:class:`~tplib.nn.sharded_optimizer.ShardedOptimizer`), counting its shard in the norm,
+and the updated parameters are all-gathered; an fp16 skip is still taken by every rank
+together, and then nothing is gathered, since no shard moved. The reduction is not
+overlapped with the last backward: it starts at ``AR``, as the all-reduce does.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from torch import Tensor
 from tplib.nn.model import GPTStage
 from tplib.nn.oppart import shard_spec
 from tplib.nn.optimizer import DECAY_RULES, MixedPrecisionOptimizer, PlainOptimizer, make_optimizer
+from tplib.nn.sharded_optimizer import ShardedOptimizer, flat_views
 from tplib.nn.wgrad import grad_buffer
 from tplib.runtime.groups import RankGroups, shared_weight
 from tplib.runtime.parts import Optim
@@ -64,7 +73,16 @@ class Update:
         self.run, self.groups = run, groups
         self.stages = [stage] if isinstance(stage, GPTStage) else list(stage)
         self.params = [p for s in self.stages for p in s.parameters()]
-        self.optimizer = stage_optimizer(self.params, run.precision, run.optim)
+        self.optimizer: MixedPrecisionOptimizer | PlainOptimizer | ShardedOptimizer
+        if run.parallelism.distributed_optimizer:  # this replica's shard of #Data
+            optim = run.optim
+            self.optimizer = ShardedOptimizer(
+                self.params, run.precision, shard=groups.replica, n_shards=run.parallelism.n_data,
+                lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                eps=optim.adam_eps, decay=DECAY_RULES[optim.weight_decay_params],
+            )  # fmt: skip
+        else:
+            self.optimizer = stage_optimizer(self.params, run.precision, run.optim)
         self.lr_schedule = run.lr_schedule
         # This rank's copies of a tied embedding: none, one (the other is on another
         # stage), or both (a V of virtual stages puts the first and last parts here).
@@ -103,26 +121,56 @@ class Update:
         if replicated:
             self.groups.all_reduce_flat(replicated, self.groups.op)
 
+    def reduce_gradients(self) -> None:
+        """Sum the stage's gradient buffers across its data-parallel replicas (after the
+        tied embedding's sum): all-reduced, or with the distributed optimizer
+        reduce-scattered, each replica getting the sum of its own shard."""
+        data = self.groups.data
+        if data is None:
+            return
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.groups.reduce_scatter_flat(
+                self.optimizer.flat_grads, self.optimizer.grad_shard, data
+            )
+        else:
+            self.groups.all_reduce_flat(self.grad_buffers(), data)
+
+    def reduced_grads(self) -> list[Tensor]:
+        """After :meth:`reduce_gradients`, each parameter's gradient summed over the
+        replicas: its buffer, or with the distributed optimizer a copy gathered from
+        every replica's shard (for the ``collect_grads`` hook; a collective over #Data)."""
+        opt, data = self.optimizer, self.groups.data
+        if not isinstance(opt, ShardedOptimizer) or data is None:
+            return self.grad_buffers()
+        flat = opt.flat_grads.clone()
+        lo, hi = opt.layout.shard(self.groups.replica)
+        self.groups.all_gather_flat(flat, flat[lo:hi], data)
+        return flat_views(flat, [p.shape for p in self.params], opt.layout)
+
     def _counted(self) -> list[bool]:
-        """Whether this rank adds each of its parameters' gradient (in ``self.params``
-        order) to the global norm: every gradient of the model exactly once.
+        """Whether this rank adds each of its gradients (the optimizer's ``grads()``, in
+        order: per parameter, or with the distributed optimizer per piece of its shard)
+        to the global norm: every gradient of the model exactly once.
 
         Data-parallel replicas hold equal gradients after the all-reduce: replica 0
-        counts them. Replicated parameters (shard_spec None) are equal on every op rank:
-        op rank 0 counts them; every op rank counts its shard of a partitioned one
-        (vocabulary padding rows have zero gradient). The tied embedding's two copies
-        hold the same summed gradient after the tied all-reduce: the first part's (the
-        embedding, not the head) counts it.
+        counts them; with the distributed optimizer each replica holds the sum of its
+        own shard only, and counts that. Replicated parameters (shard_spec None) are
+        equal on every op rank: op rank 0 counts them; every op rank counts its shard of
+        a partitioned one (vocabulary padding rows have zero gradient). The tied
+        embedding's two copies hold the same summed gradient after the tied all-reduce:
+        the first part's (the embedding, not the head) counts it.
         """
         g = self.groups
         counted = []
         for stage in self.stages:
             head = shared_weight(stage) if stage.is_last else None
             for name, p in stage.named_parameters():  # the order of self.params
-                mine = g.replica == 0 and (g.op_rank == 0 or shard_spec(name) is not None)
+                mine = g.op_rank == 0 or shard_spec(name) is not None
                 counted.append(mine and p is not head)
         assert len(counted) == len(self.params)
-        return counted
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return [counted[piece.param] for piece in self.optimizer.pieces]
+        return [c and g.replica == 0 for c in counted]
 
     def step(self, index: int) -> None:
         """Iteration ``index``'s update: clip, set the learning rate, step, zero."""
@@ -138,6 +186,8 @@ class Update:
         self.optimizer.set_lr(self.lr_schedule.lr_at(index))
         if not self.optimizer.step(skip):
             self.steps_skipped += 1
+        elif isinstance(opt := self.optimizer, ShardedOptimizer) and self.groups.data is not None:
+            self.groups.all_gather_flat(opt.flat_params, opt.param_shard, self.groups.data)
         for g in self.grad_buffers():
             g.zero_()
 

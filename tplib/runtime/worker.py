@@ -201,10 +201,9 @@ class Worker:
         elif shared and self.groups.tied is not None:
             self.groups.all_reduce(shared[0], self.groups.tied)
         self.update.sum_sequence_shards()  # sequence parallelism's replicated parameters
-        if self.groups.data is not None:
-            # The loss is already scaled by the global batch: summing gives the mean's
-            # gradient.
-            self.groups.all_reduce_flat(self.update.grad_buffers(), self.groups.data)
+        # The loss is already scaled by the global batch: summing gives the mean's
+        # gradient (with the distributed optimizer, reduce-scattered: each replica's shard).
+        self.update.reduce_gradients()
 
     def step(self, action: Action, it: _Iteration) -> None:
         """OPT: the optimizer step (:class:`~tplib.runtime.update.Update`); under an
@@ -216,7 +215,7 @@ class Worker:
             names = [n for m in self.modules for n, _ in m.named_parameters()]
             self.result.grads = {
                 n: (g.float() / scale).cpu()
-                for n, g in zip(names, self.update.grad_buffers(), strict=True)
+                for n, g in zip(names, self.update.reduced_grads(), strict=True)
             }
         if self.versions is None:
             self.update.step(index)
