@@ -315,12 +315,15 @@ def test_sequence_parallel_3d_layout_with_dropout_matches_single_process(
     each op rank holds and sends its half of every slice's tokens, its dropout masks are
     its half's rows, and the replicated parameters' gradients are summed over #Op. The
     gradients (replicated ones included) and parameters are equal on every op rank. With
-    selective recomputation too: Megatron's published recipe."""
+    selective recomputation and the distributed optimizer too: Megatron's recipe, all
+    three composed."""
     plan = Plan((1, 1), ((6, 10), (2, 6, 8)))  # every slice's length divisible by #Op
     run = _config(
         "terapipe", 2, 2, plan, n_op=2, recompute=recompute, model_overrides=(("dropout", 0.1),)
     )
-    run = replace(run, parallelism=replace(run.parallelism, sequence_parallel=True))
+    megatron = recompute == "selective"
+    layout = replace(run.parallelism, sequence_parallel=True, distributed_optimizer=megatron)
+    run = replace(run, parallelism=layout)
     result = pools(run.parallelism.world_size).run(run, COLLECT)
     _check_against_reference(run, result)
     for replica, stage in itertools.product(range(2), range(2)):
