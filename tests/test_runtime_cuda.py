@@ -312,6 +312,27 @@ def test_distributed_optimizer_on_cuda(
     _check_mixed(run, result, loss_rel=2e-2, grad_rel=5e-2, grads=first_finite)
 
 
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatrons_recipe_on_cuda(shared_gpu: Callable[[int], LocalPool], precision: str) -> None:
+    """Sequence parallelism, selective recomputation and the distributed optimizer together
+    on (#Data, #Pipe, #Op) = (2, 2, 2), token slices with dropout: the #Op group's
+    all-gathers and reduce-scatters and the sharded step on NCCL (8 ranks sharing the
+    GPUs), against the CPU reference."""
+    even = Plan((1, 1), ((6, 10), (2, 6, 8)))  # every slice divisible by #Op
+    run = _config(device=DEVICE, precision=precision, n_op=2, slicing=even, recompute="selective")
+    layout = dataclasses.replace(
+        run.parallelism, n_data=2, sequence_parallel=True, distributed_optimizer=True
+    )
+    run = dataclasses.replace(run, parallelism=layout, data=dataclasses.replace(run.data, batch=4))
+    result = shared_gpu(run.parallelism.world_size).run(run, COLLECT)
+    if precision == "fp32":
+        _check_fp32(run, result, tol=1e-4)
+    else:
+        _check_mixed(run, result, loss_rel=2e-2, grad_rel=5e-2, grads=True)
+
+
 # ---- one process on CUDA: sliced against whole sequences, fp32 -------------------------
 
 
