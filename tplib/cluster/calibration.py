@@ -196,11 +196,12 @@ CALIBRATION = Calibration(
 #                         3.35 TB/s; taken lower here for the smaller kernels)
 #   nvlink_efficiency     0.8, as the V100's: NCCL reaches about 80% of NVLink's peak
 #   host_staging          False: GPUDirect RDMA, the adapters read GPU memory
-#   host_floor            0.514 ms: tplib's own GPT3-1B layer forward at 256 tokens on an
-#                         H100 node (make gpu-check, figure 3; results/gpu/): 1 to 1,024
-#                         tokens all took 0.51-0.57 ms, the host issuing kernels. Taken for
-#                         both DGX nodes, whose hosts are of one generation; it bounds only
-#                         small slices, never a row of the fit
+#   host_floor            0.390 ms: tplib's own GPT3-1B layer forward at 256 tokens on an
+#                         H100 node (make gpu-check, figure 3; results/gpu/, the second of
+#                         two runs on 2026-11-27, the first measured 0.514 ms): 1 to 1,024
+#                         tokens all took 0.39-0.57 ms over both runs, the host issuing
+#                         kernels. Taken for both DGX nodes, whose hosts are of one
+#                         generation; it bounds only small slices, never a run of the fit
 #   flash_efficiency      0.6: FlashAttention-2's forward + backward on an A100 at head
 #                         dimension 128 and 2K tokens (its paper reports 50-73% of peak
 #                         over its kernel benchmarks)
@@ -216,7 +217,7 @@ _DGX = dict(
     hbm_efficiency=0.85,
     nvlink_efficiency=0.8,
     host_staging=False,
-    host_floor=0.514e-3,
+    host_floor=0.390e-3,
     inter_node_latency=10e-6,
     memory_reserve=4 * 2**30,
 )
