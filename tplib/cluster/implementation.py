@@ -28,13 +28,16 @@ names the choices the cluster model prices, each as Megatron-LM names it:
   "uniform" method, one layer per checkpoint), not only the stage's (tplib's runtime).
 
 :data:`PAPER` is the paper's implementation (the V100 tables); :data:`MEGATRON_2021` is
-what the published Megatron A100 runs of the calibration used.
+what the published Megatron A100 runs of the calibration used. A :class:`Platform` pairs
+an implementation with the hardware it runs on (:data:`PAPER_PLATFORM`: the paper's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from tplib.cluster.hardware import P3_16XLARGE, Hardware
 
 __all__ = [
     "ATTENTIONS",
@@ -96,3 +99,15 @@ PAPER = Implementation()
 MEGATRON_2021 = Implementation(
     attention="fused-softmax", scatter_gather=True, ends=True, layer_checkpoints=True
 )
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where a layout runs and what code runs it: the nodes' ``hardware`` and the training
+    code's ``implementation`` (the calibration, the fitted part, travels apart)."""
+
+    hardware: Hardware = P3_16XLARGE
+    implementation: Implementation = PAPER
+
+
+PAPER_PLATFORM = Platform()

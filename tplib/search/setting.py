@@ -28,8 +28,7 @@ from typing import Literal, cast
 import pandas as pd
 
 from tplib.cluster import CALIBRATION, FIT_STAGES, Calibration, ClusterCostModel
-from tplib.cluster.hardware import P3_16XLARGE, Hardware
-from tplib.cluster.implementation import PAPER, Implementation
+from tplib.cluster.implementation import PAPER_PLATFORM, Platform
 from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.paper import TERAPIPE, PaperResult, Setting, main_row, seqlen_row, setting
 from tplib.plan import Plan
@@ -87,13 +86,12 @@ def cost_model(
     s: Setting,
     calibration: Calibration = CALIBRATION,
     *,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
 ) -> ClusterCostModel:
-    """Setting ``s``'s layout on ``hardware`` (the paper's p3.16xlarge nodes by default,
-    with their calibration) running ``implementation``."""
+    """Setting ``s``'s layout on platform ``on`` (the paper's p3.16xlarge nodes and
+    implementation by default) under ``calibration`` (the platform's nodes')."""
     return ClusterCostModel.for_setting(
-        s, calibration, hardware=hardware, implementation=implementation
+        s, calibration, hardware=on.hardware, implementation=on.implementation
     )
 
 
@@ -103,8 +101,7 @@ def simulate_on_cluster(
     schedule: str = "terapipe",
     *,
     calibration: Calibration = CALIBRATION,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
     validate: bool = False,
 ) -> SimResult:
     """Simulate plan ``p`` as ``schedule`` on setting ``s``'s cluster model (without
@@ -114,7 +111,7 @@ def simulate_on_cluster(
         schedule,
         s.n_stages,
         p,
-        cost_model(s, calibration, hardware=hardware, implementation=implementation),
+        cost_model(s, calibration, on=on),
         validate=validate,
     )
 
@@ -125,8 +122,7 @@ def plan_terapipe(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
     cost: SliceCostModel | None = None,
     n_chunks: int = 1,
 ) -> Plan:
@@ -135,9 +131,7 @@ def plan_terapipe(
     for the token slices interleaved over v chunks per stage (the cluster model of the
     interleaved placement by default)."""
     if cost is None:
-        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation).placed(
-            interleaved(s.n_stages, n_chunks)
-        )
+        cost = cost_model(s, calibration, on=on).placed(interleaved(s.n_stages, n_chunks))
     return plan_slices(
         cost,
         seq_len=s.seq_len,
@@ -157,8 +151,7 @@ def simulate_setting(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
 ) -> dict[str, object]:
     """Setting ``(n)`` (or its Table-4 variant at ``seq_len``) without and with TeraPipe:
     latencies, speedup, the plan and what the simulator saw; and the paper's own TeraPipe
@@ -174,8 +167,7 @@ def simulate_setting(
         method=method,
         eps=eps,
         calibration=calibration,
-        hardware=hardware,
-        implementation=implementation,
+        on=on,
     )
     t_plan = time.perf_counter() - t0
     gpipe = simulate_on_cluster(
@@ -183,16 +175,13 @@ def simulate_setting(
         s.gpipe_plan(),
         "gpipe",
         calibration=calibration,
-        hardware=hardware,
-        implementation=implementation,
+        on=on,
     )
-    tera = simulate_on_cluster(
-        s, p, "terapipe", calibration=calibration, hardware=hardware, implementation=implementation
-    )
-    memory = cost_model(s, calibration, hardware=hardware, implementation=implementation).memory(p)
+    tera = simulate_on_cluster(s, p, "terapipe", calibration=calibration, on=on)
+    memory = cost_model(s, calibration, on=on).memory(p)
     # Beyond the paper: split backwards, planned by the zero-bubble objective.
     pz = plan_zero_bubble(
-        cost_model(s, calibration, hardware=hardware, implementation=implementation),
+        cost_model(s, calibration, on=on),
         seq_len=s.seq_len,
         batch=s.pipeline_batch,
         n_stages=s.n_stages,
@@ -200,9 +189,7 @@ def simulate_setting(
         eps=eps,
     )
     zb = {
-        name: simulate_on_cluster(
-            s, pz, name, calibration=calibration, hardware=hardware, implementation=implementation
-        ).latency
+        name: simulate_on_cluster(s, pz, name, calibration=calibration, on=on).latency
         for name in ("terapipe-zb", "1f1b-zb")
     }
     return setting_fields(s) | {
@@ -224,7 +211,11 @@ def simulate_setting(
         "gain_zb_over_terapipe": tera.latency / min(zb.values()),
         "plan_zb": pz.to_paper(),
         "latency_paper_plan": simulate_on_cluster(
-            s, paper_t.plan, "terapipe", calibration=calibration
+            s,
+            paper_t.plan,
+            "terapipe",
+            calibration=calibration,
+            on=on,
         ).latency,
         "gpipe_row": "fit" if fitted else "held out",
     }
@@ -249,8 +240,7 @@ def simulate_virtual(
     method: Method = "exact",
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
 ) -> dict[str, object]:
     """Setting ``s`` with virtual stages (see the module docstring): for each schedule of
     :data:`VIRTUAL`, the v of least simulated latency among :func:`chunk_choices`, its
@@ -265,18 +255,22 @@ def simulate_virtual(
             method=method,
             eps=eps,
             calibration=calibration,
-            hardware=hardware,
-            implementation=implementation,
+            on=on,
         )
     }
     best: dict[str, tuple[float, int, Plan, float]] = {}
     notes: dict[str, list[str]] = {name: [] for name in VIRTUAL}
     for v in chunk_choices(s):
-        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation).placed(
-            interleaved(s.n_stages, v)
-        )
+        cost = cost_model(s, calibration, on=on).placed(interleaved(s.n_stages, v))
         if v not in plans:
-            plans[v] = plan_terapipe(s, method=method, eps=eps, calibration=calibration, n_chunks=v)
+            plans[v] = plan_terapipe(
+                s,
+                method=method,
+                eps=eps,
+                calibration=calibration,
+                on=on,
+                n_chunks=v,
+            )
         for name, one in VIRTUAL.items():
             plan = s.gpipe_plan() if name == "interleaved-1f1b" else plans[v]
             if v > 1 and name != "terapipe-bfs" and plan.n_units < s.n_stages:
@@ -294,8 +288,8 @@ def simulate_virtual(
                     schedule,
                     n_op=s.n_op,
                     calibration=calibration,
-                    hardware=hardware,
-                    implementation=implementation,
+                    hardware=on.hardware,
+                    implementation=on.implementation,
                     n_data=s.n_data,
                 )
                 best[name] = (latency, v, plan, memory.total / 2**30)
@@ -357,8 +351,7 @@ def compare_joint_methods(
     settings: Iterable[int] = range(1, 11),
     eps: float = EPS,
     calibration: Calibration = CALIBRATION,
-    hardware: Hardware = P3_16XLARGE,
-    implementation: Implementation = PAPER,
+    on: Platform = PAPER_PLATFORM,
 ) -> pd.DataFrame:
     """The paper's joint DP (knapsack over per-batch-slice T_b, which counts the
     (K - 1) t_max fill once per batch slice) against the exact one (one t_max shared by
@@ -367,7 +360,7 @@ def compare_joint_methods(
     rows = []
     for n in settings:
         s = setting(n)
-        cost = cost_model(s, calibration, hardware=hardware, implementation=implementation)
+        cost = cost_model(s, calibration, on=on)
         row: dict[str, object] = {"setting": n, "model": s.model}
         latency, simulated = {}, {}
         for method in ("paper", "exact"):
@@ -377,15 +370,12 @@ def compare_joint_methods(
                 method=method,
                 eps=eps,
                 calibration=calibration,
-                hardware=hardware,
-                implementation=implementation,
+                on=on,
             )
             row[f"plan_seconds_{method}"] = time.perf_counter() - t0
             row[f"plan_{method}"] = p.to_paper()
             latency[method] = pipeline_latency(p, cost, s.n_stages)
-            simulated[method] = simulate_on_cluster(
-                s, p, calibration=calibration, hardware=hardware, implementation=implementation
-            ).latency
+            simulated[method] = simulate_on_cluster(s, p, calibration=calibration, on=on).latency
             row[f"latency_{method}"] = latency[method]
             row[f"simulated_{method}"] = simulated[method]
         row["paper_over_exact"] = latency["paper"] / latency["exact"]

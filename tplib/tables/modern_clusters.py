@@ -53,7 +53,7 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from tplib.cluster.calibration import CALIBRATIONS
 from tplib.cluster.hardware import CLUSTERS
-from tplib.cluster.implementation import Implementation
+from tplib.cluster.implementation import Implementation, Platform
 from tplib.paper import SEQLEN_BATCH, SETTINGS, Setting, setting
 from tplib.partition.chain import DoesNotFit
 from tplib.plan import Plan
@@ -86,8 +86,7 @@ def setting_row(s: Setting, cluster: str, eps: float = EPS) -> dict[str, Any]:
     of the module docstring, its latency, TFLOPS per GPU and the speedups."""
     on: dict[str, Any] = {
         "calibration": CALIBRATIONS[cluster],
-        "hardware": CLUSTERS[cluster],
-        "implementation": FLASH,
+        "on": Platform(CLUSTERS[cluster], FLASH),
     }
     r: dict[str, Any] = simulate_setting(s.index, seq_len=s.seq_len, eps=eps, **on)
     virtual: dict[str, Any] = simulate_virtual(s, Plan.from_paper(r["plan"]), eps=eps, **on)
