@@ -33,10 +33,10 @@ work: that they are numbers, finite, and in the ranges the library does not name
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from tplib.cli.arguments import ANY_INT, COUNT, INT_LIMIT, integer, number, rate
 from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.planning import plan_command, profile_command, simulate_command
 from tplib.cli.predict import add_predict
@@ -49,59 +49,6 @@ from tplib.perfmodel.conditions import IMPLS
 from tplib.tables import TABLE_NAMES
 
 __all__ = ["INT_LIMIT", "build_parser", "integer", "main", "number"]
-
-# The largest integer an option takes: beyond it sizes overflow numpy's and torch's
-# (``--batch 99999999999999999999`` raised OverflowError), and no run needs one.
-INT_LIMIT = 2**31 - 1
-
-
-def integer(least: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer of at most :data:`INT_LIMIT` and at least ``least``.
-    ``least`` is for options the library would misread (a 0 taken as "the default", a
-    negative size); None leaves the range to the library, whose message says more (a
-    setting is 1..10, K at most the layers)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if least is not None and n < least:
-            rule = "a positive integer" if least == 1 else f"an integer >= {least}"
-            raise argparse.ArgumentTypeError(f"{n} is not {rule}")
-        if abs(n) > INT_LIMIT:
-            raise argparse.ArgumentTypeError(f"{n} is beyond {INT_LIMIT}, the largest tplib takes")
-        return n
-
-    return parse
-
-
-def number(least: float, *, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number >= ``least`` (> with ``above``)."""
-
-    def parse(text: str) -> float:
-        try:
-            x = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(x):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
-        if x < least or (above and x == least):
-            raise argparse.ArgumentTypeError(f"{text} is not {'>' if above else '>='} {least:g}")
-        return x
-
-    return parse
-
-
-COUNT, ANY_INT = integer(1), integer()
-
-
-def _rate(text: str) -> float:
-    """An argparse type: a rate in [0, 1), as a dropout probability is."""
-    x = number(0)(text)
-    if x >= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not < 1")
-    return x
 
 
 def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -126,9 +73,7 @@ def _add_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="the run's precision: fp32, bf16 (autocast) or fp16 (CUDA); default fp16 on "
         "CUDA (as `run`), fp32 on CPU",
     )
-    p.add_argument(
-        "--dropout", type=_rate, help="dropout rate to train with (default: the model's)"
-    )
+    p.add_argument("--dropout", type=rate, help="dropout rate to train with (default: the model's)")
     p.add_argument(
         "--attention",
         choices=IMPLS,
@@ -389,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layouts(sub)
     _add_runs(sub)
     _add_schedule(sub)
-    add_predict(sub, COUNT, _rate)
+    add_predict(sub)
     return parser
 
 

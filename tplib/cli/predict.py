@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from tplib.cli.arguments import COUNT, rate
 from tplib.cluster.hardware import CLUSTERS
 from tplib.cluster.implementation import ATTENTIONS, RECOMPUTES
 from tplib.search.megatron import SCHEDULES, MegatronRun, predict
@@ -27,32 +28,28 @@ _FORMULA = {
 }
 
 
-def add_predict(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    count: object,
-    rate: object,
-) -> None:
-    """Register ``predict`` (``count``: the CLI's positive-integer type; ``rate``: its
-    dropout-rate type)."""
+def add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``predict`` on the command line's subparsers."""
+    count = COUNT
     p = sub.add_parser("predict", help="a Megatron-style GPT run priced on a cluster")
     p.add_argument("--cluster", choices=sorted(CLUSTERS), required=True)
-    p.add_argument("--gpus", type=count, required=True, help="N, whole nodes")  # type: ignore[arg-type]
+    p.add_argument("--gpus", type=count, required=True, help="N, whole nodes")
     for name, what in (("layers", "l"), ("hidden", "h"), ("heads", "a")):
-        p.add_argument(f"--{name}", type=count, required=True, help=what)  # type: ignore[arg-type]
-    p.add_argument("--vocab", type=count, default=51200, help="V (default 51200)")  # type: ignore[arg-type]
-    p.add_argument("--seq-len", type=count, default=2048, help="s (default 2048)")  # type: ignore[arg-type]
-    p.add_argument("--tp", type=count, default=1, help="T, tensor parallel (#Op)")  # type: ignore[arg-type]
-    p.add_argument("--pp", type=count, default=1, help="P, pipeline stages (#Pipe)")  # type: ignore[arg-type]
-    p.add_argument("--batch", type=count, required=True, help="B, global batch")  # type: ignore[arg-type]
-    p.add_argument("--microbatch", type=count, default=1, help="m (default 1)")  # type: ignore[arg-type]
-    p.add_argument("--interleave", type=count, default=1, help="v chunks per stage")  # type: ignore[arg-type]
+        p.add_argument(f"--{name}", type=count, required=True, help=what)
+    p.add_argument("--vocab", type=count, default=51200, help="V (default 51200)")
+    p.add_argument("--seq-len", type=count, default=2048, help="s (default 2048)")
+    p.add_argument("--tp", type=count, default=1, help="T, tensor parallel (#Op)")
+    p.add_argument("--pp", type=count, default=1, help="P, pipeline stages (#Pipe)")
+    p.add_argument("--batch", type=count, required=True, help="B, global batch")
+    p.add_argument("--microbatch", type=count, default=1, help="m (default 1)")
+    p.add_argument("--interleave", type=count, default=1, help="v chunks per stage")
     p.add_argument("--recompute", choices=RECOMPUTES, default="none")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--schedule", choices=SCHEDULES, help="default: 1f1b, or interleaved")
     p.add_argument("--attention", choices=ATTENTIONS, help="default: flash where it runs")
-    p.add_argument("--dropout", type=rate, default=0.1, help="default 0.1")  # type: ignore[arg-type]
+    p.add_argument("--dropout", type=rate, default=0.1, help="default 0.1")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=predict_command)
 
