@@ -299,10 +299,11 @@ def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNote
         "seqlen_sweep",
         "pipeline_systems",
         "layout_search",
+        "modern_clusters",
     ]
     # A finished run starts anew: every job again.
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert not report.resumed and len(report.ran) == 5 and not report.skipped
+    assert not report.resumed and len(report.ran) == 6 and not report.skipped
 
 
 @pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
@@ -324,7 +325,7 @@ def test_anything_but_the_same_unfinished_run_starts_anew(
     if change == "outputs":
         assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
     else:
-        assert not report.resumed and not report.skipped and len(report.ran) == 5
+        assert not report.resumed and not report.skipped and len(report.ran) == 6
 
 
 def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
@@ -337,6 +338,7 @@ def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks)
         "seqlen_sweep",
         "pipeline_systems",
         "layout_search",
+        "modern_clusters",
     ]
     assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
     hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
@@ -417,7 +419,7 @@ def test_a_failed_summary_is_written_by_the_next_run(
         reproduce("simulate", root=tmp_path, progress=False)
     monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert report.resumed and len(report.skipped) == 5 and not report.ran
+    assert report.resumed and len(report.skipped) == 6 and not report.ran
     assert (tmp_path / "SUMMARY.md").read_text() == "summary\n"
 
 
