@@ -296,6 +296,8 @@ def test_distributed_optimizer_on_cuda(
     """#Data = 2, the optimizer state sharded: the reduce-scatter and all-gather on NCCL,
     or staged through host memory where the four ranks share a GPU; fp16's skip taken by
     every rank together, on the unscaled shards."""
+    if DEVICE != "cuda":  # what it adds is NCCL; on gloo tests/test_runtime.py runs it
+        pytest.skip("the distributed optimizer on CPU: tests/test_runtime.py; here for NCCL")
     run = _config(device=DEVICE, precision=precision)
     run = dataclasses.replace(
         run,
@@ -320,6 +322,8 @@ def test_megatrons_recipe_on_cuda(shared_gpu: Callable[[int], LocalPool], precis
     on (#Data, #Pipe, #Op) = (2, 2, 2), token slices with dropout: the #Op group's
     all-gathers and reduce-scatters and the sharded step on NCCL (8 ranks sharing the
     GPUs), against the CPU reference."""
+    if DEVICE != "cuda":  # what it adds is NCCL; on gloo tests/test_runtime.py runs it
+        pytest.skip("Megatron's recipe on CPU: tests/test_runtime.py; here for NCCL")
     even = Plan((1, 1), ((6, 10), (2, 6, 8)))  # every slice divisible by #Op
     run = _config(device=DEVICE, precision=precision, n_op=2, slicing=even, recompute="selective")
     layout = dataclasses.replace(
