@@ -18,7 +18,7 @@ from tplib.schedule import (
     make_schedule,
     validate,
 )
-from tplib.schedule.asynchronous import min_microbatches, repeat_plan
+from tplib.schedule.asynchronous import _enough, min_microbatches, repeat_plan
 
 MINIBATCH = Plan((2,), ((4, 4),))  # PipeDream: one batch slice, two token slices
 
@@ -157,3 +157,14 @@ def test_versions_print_parse_and_round_trip() -> None:
     buf.seek(0)
     back = Schedule.from_csv(buf)
     assert back == s and back.n_iterations == 3 and back.asynchronous
+
+
+@pytest.mark.parametrize("token_slices", [(8,), (4, 4), (2, 3, 3), (1, 1, 1, 1, 4)])
+def test_enough_microbatches_stay_enough_so_the_bisection_finds_the_fewest(
+    token_slices: tuple[int, ...],
+) -> None:
+    for k in range(1, 7):
+        enough = [_enough(k, token_slices, m) for m in range(1, 4 * k + len(token_slices) + 2)]
+        fewest = enough.index(True) + 1
+        assert all(enough[fewest - 1 :]), (k, enough)
+        assert min_microbatches(k, token_slices) == fewest

@@ -165,17 +165,27 @@ def two_bw(n_stages: int, plan: Plan, n_iterations: int) -> Schedule:
 @cache  # a search over simulated orders: seconds for deep pipelines, asked again and again
 def min_microbatches(n_stages: int, token_slices: tuple[int, ...]) -> int:
     """The fewest microbatches per iteration (each cut into ``token_slices``) with which
-    every forward of 2BW's 1F1B order finds its version already made on its stage."""
-    for m in range(1, 4 * n_stages + len(token_slices) + 2):
-        # Three iterations exercise the steady state: iteration 2 needs version 1. A
-        # sequence's later token slices run after its first, on as many updates or more,
-        # so the first forward of each batch slice decides.
-        units = Plan((1,) * (3 * m), (token_slices,) * (3 * m))
-        orders = [one_f_one_b_order(k, n_stages, units) for k in range(n_stages)]
-        made = _versions(orders, m, lambda k, i, done: done)  # updates before each entered
-        if all(max(b // m - 1, 0) <= v for stage in made for b, v in stage.items()):
-            return m
-    raise AssertionError("1F1B keeps a bounded number of units in flight")  # pragma: no cover
+    every forward of 2BW's 1F1B order finds its version already made on its stage.
+    Enough microbatches stay enough with more (a test checks it against every m on small
+    pipelines), so a bisection finds the fewest."""
+    lo, hi = 0, 4 * n_stages + len(token_slices) + 1  # hi is enough: 1F1B keeps <= K in flight
+    if not _enough(n_stages, token_slices, hi):
+        raise AssertionError("1F1B keeps a bounded number of units in flight")  # pragma: no cover
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _enough(n_stages, token_slices, mid) else (mid, hi)
+    return hi
+
+
+def _enough(n_stages: int, token_slices: tuple[int, ...], m: int) -> bool:
+    """Whether ``m`` microbatches per iteration give every forward its version in time.
+    Three iterations exercise the steady state: iteration 2 needs version 1. A
+    sequence's later token slices run after its first, on as many updates or more, so
+    the first forward of each batch slice decides."""
+    units = Plan((1,) * (3 * m), (token_slices,) * (3 * m))
+    orders = [one_f_one_b_order(k, n_stages, units) for k in range(n_stages)]
+    made = _versions(orders, m, lambda k, i, done: done)  # updates before each entered
+    return all(max(b // m - 1, 0) <= v for stage in made for b, v in stage.items())
 
 
 def held_versions(schedule: Schedule) -> tuple[int, ...]:
