@@ -4,6 +4,7 @@ run within 10%, the stored efficiency the fit's, and the H100 model free of any 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pandas as pd
 import pytest
@@ -30,8 +31,9 @@ def test_every_published_run_is_predicted_within_ten_percent(table: pd.DataFrame
     assert table["fits"].all()  # they ran, so they fit in 80 GB
 
 
-def test_the_stored_efficiency_is_the_fits_minimum() -> None:
-    at = _rms_log_error(DGX_A100_GEMM_EFFICIENCY, DGX_A100_CALIBRATION)
+def test_the_stored_efficiency_is_the_fits_minimum(table: pd.DataFrame) -> None:
+    # The table is the stored calibration's: its RMS log error is the fit's at the value.
+    at = math.sqrt(sum(math.log1p(e) ** 2 for e in table["error"]) / len(table))
     for step in (-0.002, 0.002):
         assert _rms_log_error(DGX_A100_GEMM_EFFICIENCY + step, DGX_A100_CALIBRATION) > at
 
