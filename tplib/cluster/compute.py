@@ -122,29 +122,20 @@ def layer_times(
     ) -> np.ndarray:
         return gemm_time(m, n, k, batch, cal=cal, hw=hw)
 
-    # The four products per GPU as (n, k) of (tokens x k) @ (k x n): Megatron splits
-    # QKV and FC1 by columns, the output projection and FC2 by rows.
-    shapes = [(3 * h / n_op, h), (h, h / n_op), (4 * h / n_op, h), (h, 4 * h / n_op)]
+    shapes = _layer_products(h, n_op)
     fwd_gemm = sum(gemm(tokens, n, k) for n, k in shapes)
     # Backward: dX = dY W^T (tokens x k) and dW = X^T dY (k x n, reducing over tokens).
     bwd_gemm = sum(gemm(tokens, k, n) + gemm(k, n, tokens) for n, k in shapes)
-    # Attention per (sequence, head): QK^T (s x dh) @ (dh x keys), AV (s x keys) @
-    # (keys x dh).
     pairs, dh = b * heads, cfg.head_dim
     rep, part = TOKEN_BYTES_FWD
     if cfg.dropout == 0:  # nothing to drop: the model does not pay for dropout
         rep -= DROPOUT_TOKEN_ELEMS
+    score_seconds: tuple[float | np.ndarray, float | np.ndarray] = (0.0, 0.0)
     if impl.attention == "flash":
         attn, attn_bwd = flash_times(pairs, dh, s, c, cal=cal, hw=hw)
-        score_seconds = (0.0, 0.0)
     else:
-        attn = gemm(s, keys, dh, pairs) + gemm(s, dh, keys, pairs)
-        attn_bwd = 2 * attn
-        score_fwd, score_bwd = ATTENTION_SCORE_BYTES[impl.attention]
-        if cfg.dropout == 0:
-            score_fwd, score_bwd = score_fwd - DROPOUT_SCORE_BYTES, score_bwd - DROPOUT_SCORE_BYTES
-        scores = pairs * s * keys
-        score_seconds = (scores * score_fwd / hbm, scores * score_bwd / hbm)
+        attn, *scored = _written_attention(cfg, pairs, s, keys, impl, cal=cal, hw=hw)
+        attn_bwd, score_seconds = 2 * attn, (scored[0], scored[1])
     # Sequence parallelism splits the replicated regions over the group.
     rep_share = rep / n_op if impl.sequence_parallel else rep
     elementwise = tokens * h * FP16 * (rep_share + part / n_op) / hbm
@@ -204,14 +195,41 @@ def attention_core_time(
     if impl.attention == "flash":
         return np.zeros_like(s)
     keys = np.asarray(context, dtype=float) + s
-    pairs, dh = batch_slice_size * cfg.n_head // n_op, cfg.head_dim
-    attn = gemm_time(s, keys, dh, pairs, cal=cal, hw=hw) + gemm_time(
-        s, dh, keys, pairs, cal=cal, hw=hw
+    pairs = batch_slice_size * (cfg.n_head // n_op)
+    attn, score_fwd, _ = _written_attention(cfg, pairs, s, keys, impl, cal=cal, hw=hw)
+    return np.asarray(attn + score_fwd, dtype=float)
+
+
+def _layer_products(h: int, n_op: int) -> list[tuple[float, float]]:
+    """A layer's four products on one GPU as (n, k) of (tokens x k) @ (k x n): Megatron
+    splits QKV and FC1 by columns, the output projection and FC2 by rows."""
+    return [(3 * h / n_op, h), (h, h / n_op), (4 * h / n_op, h), (h, 4 * h / n_op)]
+
+
+def _written_attention(
+    cfg: GPTConfig,
+    pairs: int,
+    length: np.ndarray,
+    keys: np.ndarray,
+    impl: Implementation,
+    *,
+    cal: Calibration,
+    hw: Hardware,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seconds of the written-out attention core's forward over ``pairs`` (sequence,
+    head) pairs: its two products, QK^T (s x dh) @ (dh x keys) and AV (s x keys) @
+    (keys x dh), and the memory traffic of its scores forward and backward
+    (:data:`~tplib.cluster.implementation.ATTENTION_SCORE_BYTES`, less dropout's share
+    when the model has none)."""
+    dh = cfg.head_dim
+    attn = gemm_time(length, keys, dh, pairs, cal=cal, hw=hw) + gemm_time(
+        length, dh, keys, pairs, cal=cal, hw=hw
     )
-    score_fwd, _ = ATTENTION_SCORE_BYTES[impl.attention]
+    score_fwd, score_bwd = ATTENTION_SCORE_BYTES[impl.attention]
     if cfg.dropout == 0:
-        score_fwd -= DROPOUT_SCORE_BYTES
-    return np.asarray(attn + pairs * s * keys * score_fwd / hbm_rate(cal, hw), dtype=float)
+        score_fwd, score_bwd = score_fwd - DROPOUT_SCORE_BYTES, score_bwd - DROPOUT_SCORE_BYTES
+    scores, hbm = pairs * length * keys, hbm_rate(cal, hw)
+    return attn, scores * score_fwd / hbm, scores * score_bwd / hbm
 
 
 def layer_wgrad_time(
@@ -222,9 +240,7 @@ def layer_wgrad_time(
     all the tokens) and one ``w.grad += dW``. This is the part of :func:`layer_times`'s
     backward a split backward defers to ``W``; over a whole sequence's tokens it is the
     fused ``W``."""
-    h = cfg.hidden
-    shapes = [(3 * h / n_op, h), (h, h / n_op), (4 * h / n_op, h), (h, 4 * h / n_op)]
-    dw = sum(gemm_time(k, n, tokens, cal=cal, hw=hw) for n, k in shapes)
+    dw = sum(gemm_time(k, n, tokens, cal=cal, hw=hw) for n, k in _layer_products(cfg.hidden, n_op))
     accumulate = 3 * FP16 * n_params_per_layer(cfg) / n_op / hbm_rate(cal, hw)
     return np.asarray(dw + accumulate, dtype=float)
 
