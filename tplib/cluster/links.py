@@ -33,7 +33,8 @@ from tplib.cluster.compute import hbm_rate, nvlink_bus
 from tplib.cluster.hardware import FP16, Hardware
 from tplib.cluster.implementation import Implementation
 from tplib.cluster.layout import gpu_rank, send_ranks
-from tplib.nn.configs import GPTConfig, n_params_per_layer, padded_vocab
+from tplib.cluster.memory import end_params
+from tplib.nn.configs import GPTConfig, n_params_per_layer
 from tplib.sim.costs import Parts, ring_allreduce
 
 __all__ = ["ALLREDUCE_COPY_BYTES", "LayoutLinks"]
@@ -191,10 +192,7 @@ class LayoutLinks:
         shares it, so the last stage holds a copy) and the positions on the first."""
         params = self.layers_per_stage * self.params_per_layer
         if self.impl.ends:
-            words = padded_vocab(self.cfg.vocab_size, self.n_op) * self.cfg.hidden / self.n_op
-            first, last = self.parts.placement[0], self.parts.placement[-1]
-            params += words * ((stage == first) + (stage == last))
-            params += self.cfg.seq_len * self.cfg.hidden * (stage == first)
+            params += end_params(self.cfg, self.n_op, stage, self.parts.placement)
         return params
 
     def overlap_window(self, stage: int) -> float:

@@ -49,6 +49,7 @@ __all__ = [
     "STATE_BYTES",
     "MemoryEstimate",
     "activation_rates",
+    "end_params",
     "memory_per_gpu",
     "peak_in_flight",
     "schedule_memory_per_gpu",
@@ -158,6 +159,18 @@ def memory_per_gpu(
     return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
 
 
+def end_params(cfg: GPTConfig, n_op: int, stage: int, placement: Sequence[int]) -> float:
+    """Parameters the model's ends add to one GPU of ``stage`` (with
+    :attr:`~tplib.cluster.implementation.Implementation.ends`): the word embedding on the
+    stages of the first and the last part (the head shares it, so the last holds a
+    copy), and the positions on the first."""
+    words = padded_vocab(cfg.vocab_size, n_op) * cfg.hidden / n_op
+    first, last = placement[0], placement[-1]
+    return words * ((stage == first) + (stage == last)) + cfg.seq_len * cfg.hidden * (
+        stage == first
+    )
+
+
 def stage_memory_on_cluster(
     model: GPTConfig | str,
     schedule: Schedule,
@@ -189,10 +202,7 @@ def stage_memory_on_cluster(
     params = cfg.n_layer // schedule.n_stages * n_params_per_layer(cfg) / n_op
     last_part = schedule.n_parts - 1
     if impl.ends:
-        words = padded_vocab(cfg.vocab_size, n_op) * cfg.hidden / n_op
-        first, last = schedule.placement[0], schedule.placement[-1]
-        params += words * ((stage == first) + (stage == last))
-        params += cfg.seq_len * cfg.hidden * (stage == first)
+        params += end_params(cfg, n_op, stage, schedule.placement)
     layers = cfg.n_layer // schedule.n_parts  # what one chunk's units keep activations of
     held = held_versions(schedule)[stage] if versions is None else versions
     states = state_bytes(params, impl, n_data) + (held - 1) * FP16 * params
