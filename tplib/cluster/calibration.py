@@ -208,7 +208,9 @@ CALIBRATION = Calibration(
 #   inter_node_latency    10 us, assumption: NCCL over InfiniBand with GPUDirect
 #   memory_reserve        4 GiB, assumption: CUDA context, NCCL and cuBLAS workspaces,
 #                         allocator fragmentation on an 80 GB GPU
-_DGX = dict(
+DGX_A100_GEMM_EFFICIENCY = 0.71784  # FITTED: see above (tplib.search.megatron_fit)
+DGX_A100_CALIBRATION = Calibration(
+    gemm_efficiency=DGX_A100_GEMM_EFFICIENCY,
     network_efficiency=0.9,
     allreduce_efficiency=0.9,
     allreduce_latency=0.0,
@@ -218,14 +220,9 @@ _DGX = dict(
     nvlink_efficiency=0.8,
     host_staging=False,
     host_floor=0.390e-3,
+    flash_efficiency=0.6,
     inter_node_latency=10e-6,
     memory_reserve=4 * 2**30,
-)
-DGX_A100_GEMM_EFFICIENCY = 0.71784  # FITTED: see above (tplib.search.megatron_fit)
-DGX_A100_CALIBRATION = Calibration(
-    gemm_efficiency=DGX_A100_GEMM_EFFICIENCY,
-    flash_efficiency=0.6,
-    **_DGX,  # type: ignore[arg-type]
 )
 # DGX H100: no H100 run enters any fit. The A100 fit's lesson is the fraction of the
 # tensor peak Megatron's matrix products reach; the H100 is given the same fraction of
