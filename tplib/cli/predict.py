@@ -30,19 +30,18 @@ _FORMULA = {
 
 def add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``predict`` on the command line's subparsers."""
-    count = COUNT
     p = sub.add_parser("predict", help="a Megatron-style GPT run priced on a cluster")
     p.add_argument("--cluster", choices=sorted(CLUSTERS), required=True)
-    p.add_argument("--gpus", type=count, required=True, help="N, whole nodes")
+    p.add_argument("--gpus", type=COUNT, required=True, help="N, whole nodes")
     for name, what in (("layers", "l"), ("hidden", "h"), ("heads", "a")):
-        p.add_argument(f"--{name}", type=count, required=True, help=what)
-    p.add_argument("--vocab", type=count, default=51200, help="V (default 51200)")
-    p.add_argument("--seq-len", type=count, default=2048, help="s (default 2048)")
-    p.add_argument("--tp", type=count, default=1, help="T, tensor parallel (#Op)")
-    p.add_argument("--pp", type=count, default=1, help="P, pipeline stages (#Pipe)")
-    p.add_argument("--batch", type=count, required=True, help="B, global batch")
-    p.add_argument("--microbatch", type=count, default=1, help="m (default 1)")
-    p.add_argument("--interleave", type=count, default=1, help="v chunks per stage")
+        p.add_argument(f"--{name}", type=COUNT, required=True, help=what)
+    p.add_argument("--vocab", type=COUNT, default=51200, help="V (default 51200)")
+    p.add_argument("--seq-len", type=COUNT, default=2048, help="s (default 2048)")
+    p.add_argument("--tp", type=COUNT, default=1, help="T, tensor parallel (#Op)")
+    p.add_argument("--pp", type=COUNT, default=1, help="P, pipeline stages (#Pipe)")
+    p.add_argument("--batch", type=COUNT, required=True, help="B, global batch")
+    p.add_argument("--microbatch", type=COUNT, default=1, help="m (default 1)")
+    p.add_argument("--interleave", type=COUNT, default=1, help="v chunks per stage")
     p.add_argument("--recompute", choices=RECOMPUTES, default="none")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--distributed-optimizer", action="store_true")

@@ -296,7 +296,7 @@ def predict(run: MegatronRun, calibration: Calibration | None = None) -> Predict
         latency, busy, schedule = _simulate(run, m, cost)
         simulated = m
     bubble = max(0.0, 1.0 - busy / (latency * p))  # 0, not -1e-16, without a bubble
-    hw = CLUSTERS[run.cluster]
+    hw = cost.hw
     memory, _ = schedule_memory_per_gpu(
         run.config,
         schedule,

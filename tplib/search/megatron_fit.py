@@ -18,6 +18,7 @@ the fit's.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -26,7 +27,7 @@ from tplib.cluster.calibration import DGX_A100_CALIBRATION, Calibration
 from tplib.published import NARAYANAN_2021, PublishedRun
 from tplib.search.megatron import MegatronRun, predict
 
-__all__ = ["FitResult", "calibration_run", "calibration_table", "fit_dgx_a100"]
+__all__ = ["FitResult", "calibration_run", "calibration_table", "fit_dgx_a100", "rms_log_error"]
 
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -92,21 +93,24 @@ class FitResult:
 
     @property
     def rms_log_error(self) -> float:
-        logs = [math.log1p(e) for e in self.table["error"]]
-        return math.sqrt(sum(x * x for x in logs) / len(logs))
+        return rms_log_error(1 + e for e in self.table["error"])
 
     @property
     def worst_error(self) -> float:
         return float(self.table["error"].abs().max())
 
 
+def rms_log_error(ratios: Iterable[float]) -> float:
+    """The root mean square of the logs of predicted / published ``ratios``."""
+    logs = [math.log(x) for x in ratios]
+    return math.sqrt(sum(x * x for x in logs) / len(logs))
+
+
 def _rms_log_error(gemm_efficiency: float, base: Calibration) -> float:
     cal = replace(base, gemm_efficiency=gemm_efficiency)
-    logs = [
-        math.log(predict(calibration_run(r), cal).tflops_per_gpu / r.tflops_per_gpu)
-        for r in NARAYANAN_2021
-    ]
-    return math.sqrt(sum(x * x for x in logs) / len(logs))
+    return rms_log_error(
+        predict(calibration_run(r), cal).tflops_per_gpu / r.tflops_per_gpu for r in NARAYANAN_2021
+    )
 
 
 def fit_dgx_a100(
