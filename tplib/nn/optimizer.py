@@ -43,6 +43,7 @@ __all__ = [
     "PlainOptimizer",
     "is_matrix",
     "make_optimizer",
+    "set_groups_lr",
 ]
 
 
@@ -135,7 +136,8 @@ def _decay_groups(
     return [g for g in groups if g["params"]]
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_groups_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set ``lr`` on every parameter group of ``optimizer``."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -223,7 +225,7 @@ class MixedPrecisionOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next :meth:`step` (every parameter group)."""
-        _set_lr(self.inner, lr)
+        set_groups_lr(self.inner, lr)
 
     @torch.no_grad()
     def step(self, found_inf: bool) -> bool:
@@ -300,7 +302,7 @@ class PlainOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next :meth:`step` (every parameter group)."""
-        _set_lr(self.inner, lr)
+        set_groups_lr(self.inner, lr)
 
     def step(self, found_inf: bool) -> bool:
         self.inner.step()

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from tplib.nn.bytecount import optimizer_bytes, storage_bytes
 from tplib.nn.configs import check_precision
-from tplib.nn.optimizer import Decay, DynamicLossScaler
+from tplib.nn.optimizer import Decay, DynamicLossScaler, set_groups_lr
 from tplib.nn.precision import attach_main_grads
 
 __all__ = ["FlatLayout", "Piece", "ShardedOptimizer", "decay_mask", "flat_views", "flatten"]
@@ -235,8 +235,7 @@ class ShardedOptimizer:
 
     def set_lr(self, lr: float) -> None:
         if self.inner is not None:
-            for group in self.inner.param_groups:
-                group["lr"] = lr
+            set_groups_lr(self.inner, lr)
 
     @torch.no_grad()
     def step(self, found_inf: bool) -> bool:
