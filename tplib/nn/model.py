@@ -17,7 +17,9 @@ share of each block, embedding and head, split the Megatron way (see
 the whole model's values. The blocks' products are :class:`tplib.nn.linear.Linear`; dropout,
 when training with it, is :mod:`tplib.nn.dropout`'s. An attention whose ``recompute_core``
 an executor set keeps its core's inputs alone and runs the core again in backward
-(selective recomputation, :mod:`tplib.nn.selective`).
+(selective recomputation, :mod:`tplib.nn.selective`). With a
+:class:`~tplib.nn.ring.CPGroup` of #CP > 1 ranks a stage runs on the rank's l / #CP tokens
+of each slice, and attention is :mod:`tplib.nn.ring`'s.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from tplib.nn.oppart import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from tplib.nn.ring import CPGroup, cp_positions, ring_attention, ring_context
 from tplib.nn.selective import Core, attention_core
 
 __all__ = ["CausalSelfAttention", "GPTStage", "build_model", "check_op", "check_stage_range"]
@@ -70,9 +73,11 @@ def _op_size(op: OpGroup | None) -> int:
 class CausalSelfAttention(nn.Module):
     """Causal self-attention over this rank's ``n_head / #Op`` heads."""
 
-    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
+    def __init__(
+        self, cfg: GPTConfig, op: OpGroup | None = None, cp: CPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.op = op
+        self.op, self.cp = op, cp
         self.n_head = cfg.n_head // _op_size(op)
         self.width = self.n_head * cfg.head_dim  # this rank's share of the hidden size
         self.qkv = Linear(cfg.hidden, 3 * self.width)
@@ -98,7 +103,9 @@ class CausalSelfAttention(nn.Module):
             t.view(b, length, self.n_head, -1).transpose(1, 2)
             for t in self.qkv(x).split(self.width, dim=2)
         )
-        if context is not None:
+        if self.cp is not None:
+            y = ring_attention(q, k, v, context, start, self.cp, recompute=self.recompute_core)
+        elif context is not None:
             y = slice_attention(q, k, v, context, start, drop, recompute=self.recompute_core)
         else:
             core: Core = causal_attention
@@ -127,10 +134,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, cfg: GPTConfig, op: OpGroup | None = None) -> None:
+    def __init__(
+        self, cfg: GPTConfig, op: OpGroup | None = None, cp: CPGroup | None = None
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.attn = CausalSelfAttention(cfg, op)
+        self.attn = CausalSelfAttention(cfg, op, cp)
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg, op)
 
@@ -178,12 +187,14 @@ class GPTStage(nn.Module):
     on every rank of the group. Under sequence parallelism (``op.sequence_parallel``)
     they are this rank's shard of the slice's tokens instead, ``(batch, length / #Op,
     hidden)`` (:meth:`input_tokens`), and so is everything between the tensor-parallel
-    products: LayerNorms, dropouts and residual adds.
+    products: LayerNorms, dropouts and residual adds. With ``cp`` (#CP > 1), ``x`` and
+    ``targets`` are the rank's chunks of the slice (:func:`tplib.nn.ring.cp_shard`).
     """
 
     def __init__(
-        self, cfg: GPTConfig, lo: int = 0, hi: int | None = None, op: OpGroup | None = None
-    ) -> None:
+        self, cfg: GPTConfig, lo: int = 0, hi: int | None = None, op: OpGroup | None = None,
+        cp: CPGroup | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         hi = cfg.n_layer if hi is None else hi
         check_stage_range(cfg, lo, hi)
@@ -191,6 +202,13 @@ class GPTStage(nn.Module):
         check_op(cfg, n_op)
         self.cfg, self.lo, self.hi = cfg, lo, hi
         self.op = op if n_op > 1 else None
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.n_cp = 1 if self.cp is None else self.cp.size
+        if self.cp is not None and (self.sequence_parallel or cfg.dropout > 0):
+            raise ValueError(
+                f"#CP={self.cp.size} with sequence parallelism or dropout={cfg.dropout}: "
+                "the ring attention supports neither"
+            )
         # This rank's vocabulary rows [first_row, first_row + rows) of the padded table.
         rows = padded_vocab(cfg.vocab_size, n_op) // n_op
         self.first_row = (0 if op is None else op.rank) * rows
@@ -199,7 +217,7 @@ class GPTStage(nn.Module):
             self.wte = nn.Embedding(rows, cfg.hidden)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
         # Keys are absolute layer indices so that stage and whole-model names agree.
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.op) for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.op, self.cp) for i in range(lo, hi)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
             self.head = Linear(cfg.hidden, rows, bias=False)
@@ -228,7 +246,10 @@ class GPTStage(nn.Module):
 
     def input_tokens(self, length: int) -> int:
         """The tokens of a slice of ``length`` in this stage's input: all of them (token
-        ids on the first stage), or this rank's shard under sequence parallelism."""
+        ids on the first stage), this rank's shard under sequence parallelism, or its
+        l / #CP under context parallelism."""
+        if self.cp is not None:
+            return length // self.n_cp
         return length if self.is_first else sequence_shard(length, self.op)[1]
 
     def new_context(
@@ -246,16 +267,17 @@ class GPTStage(nn.Module):
         seq_len = self.cfg.seq_len if seq_len is None else seq_len
         self._check_length(0, seq_len)
         param = next(self.parameters())
+        n_head, dtype, device = self.cfg.n_head // self.n_op, dtype or param.dtype, param.device
+        if self.cp is not None:  # tplib.nn.ring's, which refuses another ``attention``
+            return ring_context(
+                self.layer_ids, batch=batch, n_head=n_head, seq_len=seq_len,
+                head_dim=self.cfg.head_dim, dtype=dtype, device=device, n_cp=self.n_cp,
+                impl=attention,
+            )  # fmt: skip
         return StageContext.allocate(
-            self.layer_ids,
-            batch=batch,
-            n_head=self.cfg.n_head // self.n_op,
-            seq_len=seq_len,
-            head_dim=self.cfg.head_dim,
-            dtype=dtype or param.dtype,
-            device=param.device,
-            impl=attention,
-        )
+            self.layer_ids, batch=batch, n_head=n_head, seq_len=seq_len,
+            head_dim=self.cfg.head_dim, dtype=dtype, device=device, impl=attention,
+        )  # fmt: skip
 
     def _check_length(self, start: int, length: int) -> None:
         if start + length > self.cfg.seq_len:
@@ -272,7 +294,7 @@ class GPTStage(nn.Module):
         targets: Tensor | None = None,
         dropout: DropoutKey | None = None,
     ) -> Tensor:
-        length = x.shape[1]
+        length = x.shape[1] * self.n_cp  # x holds this CP rank's l / #CP tokens
         if not self.is_first and self.sequence_parallel:
             length *= self.n_op  # x is this rank's shard of the slice
         self._check_length(start, length)
@@ -287,6 +309,8 @@ class GPTStage(nn.Module):
             drop = StageDropout(self.cfg.dropout, dropout, x, first, length=tokens)
         if self.is_first:
             positions = torch.arange(first, first + tokens, device=x.device)
+            if self.cp is not None:  # this rank's two chunks of the slice
+                positions = cp_positions(start, length, self.cp.rank, self.n_cp, x.device)
             x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
             x = x + self.wpe(positions)
             if drop is not None:
@@ -362,14 +386,15 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     op: OpGroup | None = None,
+    cp: CPGroup | None = None,
 ) -> GPTStage:
     """Build and initialise layers ``[lo, hi)`` (the whole model by default), this rank's
-    shard of them with an ``op`` group.
+    shard of them with an ``op`` group (a ``cp`` group shards tokens, not parameters).
 
     On the ``meta`` device nothing is allocated, which is how the 175B model is built.
     """
     with torch.device(device):
-        stage = GPTStage(cfg, lo, hi, op)
+        stage = GPTStage(cfg, lo, hi, op, cp)
     stage.to(dtype=dtype)
     _init_parameters(stage, seed)
     return stage

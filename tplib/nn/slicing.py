@@ -38,6 +38,7 @@ from tplib.nn.context import StageContext
 from tplib.nn.dropout import DropoutKey
 from tplib.nn.linear import Linear
 from tplib.nn.model import CausalSelfAttention, GPTStage
+from tplib.nn.ring import cp_shard
 from tplib.nn.wgrad import DeferredWeightGrads
 from tplib.plan import Plan, Unit
 from tplib.schedule.actions import WHOLE_SEQUENCE, covered_slices
@@ -273,6 +274,9 @@ def run_pipeline_local(
     stage needs ``targets`` and returns the loss summed over units (scaled by
     ``loss_scale``, default ``1 / targets.numel()``, which makes it the mean loss). Any other
     chain needs ``grad_output``, the gradient of its output, and returns the output.
+    Stages built with a :class:`~tplib.nn.ring.CPGroup` (#CP > 1) run this CP rank's
+    chunks of every unit of ``x`` and ``targets``, and return its share of the loss; such a
+    chain runs the whole model, token ids to loss.
     """
     plan.check_covers(x.shape[0], x.shape[1])
     for prev, nxt in itertools.pairwise(stages):
@@ -283,6 +287,9 @@ def run_pipeline_local(
         raise ValueError("a chain that ends with the last stage needs targets")
     if not ends_model and grad_output is None:
         raise ValueError("a chain that ends mid-model needs grad_output")
+    cp = stages[0].cp
+    if cp is not None and not (stages[0].is_first and ends_model):
+        raise ValueError(f"a chain of #CP={cp.size} ranks runs the whole model, ids to loss")
     scale = 1.0 / targets.numel() if loss_scale is None and targets is not None else loss_scale
     executors = [
         SliceExecutor(
@@ -300,9 +307,11 @@ def run_pipeline_local(
         ex.dropout = dropout
     outputs: list[Tensor] = []
     for unit in plan.units():
-        h = unit_rows(plan, unit, x)
+        h = cp_shard(unit_rows(plan, unit, x), cp)
         for ex in executors:
-            y = unit_rows(plan, unit, targets) if ex.stage.is_last and targets is not None else None
+            y = None
+            if ex.stage.is_last and targets is not None:
+                y = cp_shard(unit_rows(plan, unit, targets), cp)
             h = ex.forward(unit, h, y)
         outputs.append(h)
     for unit in reversed(list(plan.units())):
