@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from tplib.nn.configs import get_config
+from tplib.nn.configs import check_cp_length, get_config
 from tplib.nn.data import synthetic_batch
 from tplib.nn.model import GPTStage, build_model
-from tplib.nn.ring import CPGroup, check_cp_length, cp_positions, cp_shard, ring_context
+from tplib.nn.ring import CPGroup, cp_positions, cp_shard, ring_context
 from tplib.nn.slicing import full_batch_loss, run_pipeline_local
 from tplib.plan import Plan
 

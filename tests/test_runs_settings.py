@@ -172,7 +172,8 @@ def test_op_ranks_of_a_stage_share_a_node(n: int) -> None:
     run = setting_run(n, plan="gpipe")
     seen = set()
     for rank in range(run.parallelism.world_size):
-        replica, stage, op_rank = run.parallelism.position(rank)
+        replica, stage, op_rank, cp_rank = run.parallelism.position(rank)
+        assert cp_rank == 0
         assert run.parallelism.rank_of(replica, stage, op_rank) == rank
         seen.add((replica, stage, op_rank))
     assert len(seen) == run.parallelism.world_size

@@ -118,8 +118,9 @@ def test_derived_values_are_computed_once() -> None:
 def test_ranks_are_laid_out_op_innermost() -> None:
     layout = Parallelism(n_stages=3, n_data=2, n_op=2)
     assert layout.world_size == 12
+    # (replica, stage, op rank, CP rank)
     assert [layout.position(r) for r in (0, 1, 2, 5, 6, 11)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 1), (1, 0, 0), (1, 2, 1)
+        (0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 2, 1, 0), (1, 0, 0, 0), (1, 2, 1, 0)
     ]  # fmt: skip
     assert all(layout.rank_of(*layout.position(r)) == r for r in range(12))
     with pytest.raises(ValueError, match=r"world size 8 is not #Data x #Pipe x #Op = 2 x 3 x 2"):

@@ -77,7 +77,7 @@ def test_format_2_nests_each_part() -> None:
     assert written["format"] == 2
     assert set(written) == {"format"} | {f for f in RunConfig.__dataclass_fields__ if f[0] != "_"}
     assert written["parallelism"] == {
-        "n_stages": 2, "n_data": 1, "n_op": 1, "ranks_per_node": 0, "stage_ranges": None,
+        "n_stages": 2, "n_data": 1, "n_op": 1, "n_cp": 1, "ranks_per_node": 0, "stage_ranges": None,
         "n_chunks": 1, "sequence_parallel": False, "distributed_optimizer": False,
     }  # fmt: skip
     assert written["timing"] == {"steps": 1, "warmup": 0, "timeout_s": 180.0, "threads": 0}

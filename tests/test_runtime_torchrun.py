@@ -224,7 +224,7 @@ def test_two_nodes_train_what_one_process_trains(
         result = load_result(tmp_path / layout / "result.pt")
         assert result.config == run
         assert [(r.rank, r.stage, r.op_rank) for r in result.ranks] == [
-            (rank, *run.parallelism.position(rank)[1:])
+            (rank, *run.parallelism.position(rank)[1:3])
             for rank in range(run.parallelism.world_size)
         ], layout
         # What tests/test_runtime.py asks of every layout on one machine.

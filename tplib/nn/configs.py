@@ -4,7 +4,7 @@ A :class:`GPTConfig` is a frozen dataclass; named configs live in :data:`MODELS`
 looked up with :func:`get_config`. :func:`n_params` counts parameters from the config
 alone, so the 175B model can be sized without allocating anything.
 
-The rules of the options a run adds to a model (#Op, recomputation, precision) and of a
+The rules of the options a run adds to a model (#Op, #CP, recomputation, precision) and of a
 run's numbers (their types and ranges) are checked here too, without torch, so a run's
 configuration is checked before torch loads.
 """
@@ -21,6 +21,7 @@ __all__ = [
     "PRECISIONS",
     "RECOMPUTE_MODES",
     "GPTConfig",
+    "check_cp_length",
     "check_numbers",
     "check_op",
     "check_precision",
@@ -207,6 +208,17 @@ def check_op(cfg: GPTConfig, n_op: int) -> None:
             f"n_op={n_op} must divide {cfg.name}'s {cfg.n_head} attention heads and its "
             f"MLP width 4 x {cfg.hidden}: operation partitioning splits heads and MLP "
             "features evenly over the #Op ranks"
+        )
+
+
+def check_cp_length(length: int, n_cp: int, what: str = "a token slice") -> None:
+    """Raise ``ValueError`` unless ``length`` tokens cut into 2 x #CP equal chunks, as
+    context parallelism cuts every token slice (:mod:`tplib.nn.ring`)."""
+    if length % (2 * n_cp):
+        raise ValueError(
+            f"{what} of {length} tokens is not divisible by 2*#CP = {2 * n_cp} (L not "
+            "divisible by 2*#CP): context parallelism cuts every slice into 2 x #CP equal "
+            "chunks, two per CP rank"
         )
 
 

@@ -55,13 +55,13 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from tplib.nn.configs import check_cp_length
 from tplib.nn.context import LayerContext, StageContext
 from tplib.nn.selective import Core, attention_core
 
 __all__ = [
     "CPGroup",
     "RingContext",
-    "check_cp_length",
     "cp_positions",
     "cp_shard",
     "ring_attention",
@@ -89,16 +89,6 @@ class CPGroup:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"cp rank {self.rank} is outside the #CP group of {self.size}")
-
-
-def check_cp_length(length: int, n_cp: int, what: str = "a token slice") -> None:
-    """Raise ``ValueError`` unless ``length`` tokens cut into 2 x #CP equal chunks."""
-    if length % (2 * n_cp):
-        raise ValueError(
-            f"{what} of {length} tokens is not divisible by 2*#CP = {2 * n_cp} (L not "
-            "divisible by 2*#CP): context parallelism cuts every slice into 2 x #CP equal "
-            "chunks, two per CP rank"
-        )
 
 
 def _chunks(length: int, rank: int, n_cp: int) -> tuple[int, int, int]:

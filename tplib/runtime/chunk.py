@@ -18,6 +18,7 @@ from tplib.nn.context import StageContext
 from tplib.nn.model import GPTStage, build_model
 from tplib.nn.oppart import OpGroup
 from tplib.nn.precision import param_dtype
+from tplib.nn.ring import CPGroup
 from tplib.nn.slicing import SliceExecutor
 from tplib.runtime.runconfig import RunConfig
 from tplib.schedule.chunks import part_of
@@ -42,17 +43,22 @@ def build_chunks(
     *,
     op: OpGroup | None,
     hold: Callable[[Tensor], object] | None,
+    cp: CPGroup | None = None,
 ) -> list[Chunk]:
     """Build every chunk of ``stage``, in chunk order: the layers of the part each holds
-    (``run.ranges``), on ``device``, this rank's #Op shard (``op``); ``hold`` is the
-    memory meter's hook for what the executors keep (None: not counted)."""
+    (``run.ranges``), on ``device``, this rank's #Op shard (``op``), running this CP
+    rank's tokens (``cp``); ``hold`` is the memory meter's hook for what the executors
+    keep (None: not counted). The loss is scaled by the whole batch's tokens on every
+    rank: summed over replicas and CP ranks, it is the mean loss."""
     schedule = run.schedule
     dtype = param_dtype(run.precision)
     chunks = []
     for c in range(schedule.n_chunks):
         part = part_of(schedule.placement, stage, c)
         lo, hi = run.ranges[part]
-        module = build_model(run.cfg, lo, hi, seed=run.seed, device=device, dtype=dtype, op=op)
+        module = build_model(
+            run.cfg, lo, hi, seed=run.seed, device=device, dtype=dtype, op=op, cp=cp
+        )
         executor = SliceExecutor(
             module,
             schedule.plan,

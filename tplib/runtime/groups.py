@@ -1,20 +1,25 @@
 """Who a rank talks to: its process groups, its peer across each stage boundary, and
-collectives (all-reduce; the distributed optimizer's reduce-scatter and all-gather) that
-work under gloo with CUDA tensors.
+collectives (all-reduce; the distributed optimizer's reduce-scatter and all-gather; the
+ring of context parallelism) that work under gloo with CUDA tensors.
 
-Ranks follow the paper's layout (#Data x #Pipe x #Op, op innermost):
-``rank = (replica x #Pipe + stage) x #Op + op_rank``. Operation partitioning talks over
-one process group per (replica, stage); data parallelism over one per (stage, op rank);
-the tied embedding over one per (replica, op rank) joining the stages of the model's
-first and last parts (none when one stage holds both, as in a V of virtual stages).
-Every rank creates every group in the same order (``new_group`` is collective).
+Ranks follow the paper's layout with Megatron's place for context parallelism
+(#Data x #Pipe x #CP x #Op, op innermost):
+``rank = ((replica x #Pipe + stage) x #CP + cp_rank) x #Op + op_rank``. Operation
+partitioning talks over one process group per (replica, stage, CP rank); context
+parallelism's ring over one per (replica, stage, op rank); the gradient reduction over one
+per (stage, op rank), joining its #Data x #CP ranks (each CP rank's gradient holds only
+its tokens' part, as each replica's holds only its sequences'); the tied embedding over
+one per (replica, CP rank, op rank) joining the stages of the model's first and last
+parts (none when one stage holds both, as in a V of virtual stages). Every rank creates
+every group in the same order (``new_group`` is collective).
 
 Between stages a tensor travels once: the last op rank of the sender sends it to the
 first op rank of the receiver (forward; backward the first to the last), which broadcasts
 it to its group, as the cluster cost model charges (:mod:`tplib.cluster.layout`). Under
 sequence parallelism each op rank holds its own shard of the tokens instead, and sends
 it to the same op rank of the neighbouring stage (as Megatron-LM does): #Op links, each
-carrying 1/#Op of the tensor, and no broadcast.
+carrying 1/#Op of the tensor, and no broadcast. CP rank r of a stage talks to CP rank r
+of its neighbours only: its l / #CP tokens of each slice.
 
 Several ranks sharing one GPU run on gloo, which moves CUDA tensors only through host
 memory: then every collective and message is staged there (``staged``).
@@ -31,6 +36,7 @@ from torch import Tensor
 
 from tplib.nn.model import GPTStage
 from tplib.nn.oppart import OpGroup
+from tplib.nn.ring import CPGroup
 from tplib.runtime.runconfig import RunConfig
 from tplib.schedule import Action, Kind
 
@@ -45,21 +51,30 @@ class RankGroups:
     def __init__(self, run: RunConfig, rank: int, device: torch.device) -> None:
         self.run, self.rank = run, rank
         self.parallelism = parallelism = run.parallelism
-        self.replica, self.stage, self.op_rank = parallelism.position(rank)
+        self.replica, self.stage, self.op_rank, self.cp_rank = parallelism.position(rank)
         self.staged = device.type == "cuda" and dist.get_backend() == "gloo"
         k, r, n = parallelism.n_stages, parallelism.n_data, parallelism.n_op
-        rank_of = parallelism.rank_of
+        n_cp, rank_of = parallelism.n_cp, parallelism.rank_of
 
         def make(ranks: list[int]) -> Group:
             return dist.new_group(ranks) if len(ranks) > 1 else None
 
         ops = {
-            (rep, s): make([rank_of(rep, s, o) for o in range(n)])
+            (rep, s, c): make([rank_of(rep, s, o, c) for o in range(n)])
             for rep in range(r)
             for s in range(k)
+            for c in range(n_cp)
         }
+        cps = {
+            (rep, s, o): make([rank_of(rep, s, o, c) for c in range(n_cp)])
+            for rep in range(r)
+            for s in range(k)
+            for o in range(n)
+        }
+        # In rank order, replica-major: rank i of the group is replica i // #CP, CP rank
+        # i % #CP (the distributed optimizer's shard i).
         datas = {
-            (s, o): make([rank_of(rep, s, o) for rep in range(r)])
+            (s, o): make([rank_of(rep, s, o, c) for rep in range(r) for c in range(n_cp)])
             for s in range(k)
             for o in range(n)
         }
@@ -69,13 +84,17 @@ class RankGroups:
         last = self.schedule.placement[-1]
         tie = run.cfg.tie_embeddings and last != 0
         tieds = {
-            (rep, o): make([rank_of(rep, 0, o), rank_of(rep, last, o)]) if tie else None
+            (rep, c, o): make([rank_of(rep, 0, o, c), rank_of(rep, last, o, c)]) if tie else None
             for rep in range(r)
+            for c in range(n_cp)
             for o in range(n)
         }
-        self.op = ops[self.replica, self.stage]  # this stage's #Op group
-        self.data = datas[self.stage, self.op_rank]  # this (stage, op rank)'s replicas
-        self.tied = tieds[self.replica, self.op_rank]  # the tied embedding's two copies
+        self.op = ops[self.replica, self.stage, self.cp_rank]  # this stage's #Op group
+        self.cp = cps[self.replica, self.stage, self.op_rank]  # the ring of its #CP ranks
+        # This (stage, op rank)'s replicas and CP ranks: the gradient reduction.
+        self.data = datas[self.stage, self.op_rank]
+        self.reduce_index = self.replica * n_cp + self.cp_rank  # its rank in ``data``
+        self.tied = tieds[self.replica, self.cp_rank, self.op_rank]  # the embedding's copies
 
     def all_reduce(
         self, tensor: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -150,6 +169,32 @@ class RankGroups:
             reduce_scatter=lambda ts: self.reduce_scatter(ts, self.op),
         )
 
+    def cp_group(self) -> CPGroup | None:
+        """The model's handle on this rank's #CP ring (None without context parallelism)."""
+        if self.parallelism.n_cp == 1:
+            return None
+        return CPGroup(self.cp_rank, self.parallelism.n_cp, shift=self.ring_shift)
+
+    def ring_shift(self, tensor: Tensor) -> Tensor:
+        """Send ``tensor`` to the next CP rank of the ring and return the previous one's
+        (same shape and dtype), waiting at most the run's timeout for either."""
+        n_cp, at = self.parallelism.n_cp, self.parallelism.rank_of
+        after = at(self.replica, self.stage, self.op_rank, (self.cp_rank + 1) % n_cp)
+        before = at(self.replica, self.stage, self.op_rank, (self.cp_rank - 1) % n_cp)
+        sent = tensor.contiguous().cpu() if self.staged else tensor.contiguous()
+        got = torch.empty_like(sent)
+        ops = [
+            dist.P2POp(dist.isend, sent, after, group=self.cp),
+            dist.P2POp(dist.irecv, got, before, group=self.cp),
+        ]
+        for work, what in zip(
+            dist.batch_isend_irecv(ops),
+            (f"the ring's send to CP rank {after}", f"the ring's block from CP rank {before}"),
+            strict=True,
+        ):
+            self.wait(work, what)
+        return got.to(tensor.device)
+
     def peer_stage(self, action: Action) -> int:
         """The stage at the other end of send or receive ``action``: the one holding the
         neighbouring part of the model (k+1 or k-1 without virtual stages)."""
@@ -162,11 +207,12 @@ class RankGroups:
         """(the op rank of this stage that carries ``action``, the rank at the other end)."""
         last = self.parallelism.n_op - 1
         peer = self.peer_stage(action)
+        cp, at = self.cp_rank, self.parallelism.rank_of  # CP rank r talks to CP rank r
         if self.parallelism.sequence_parallel:  # every op rank carries its own shard
-            return self.op_rank, self.parallelism.rank_of(self.replica, peer, self.op_rank)
+            return self.op_rank, at(self.replica, peer, self.op_rank, cp)
         if action.kind in (Kind.SA, Kind.RG):  # to or from the next part's first op rank
-            return last, self.parallelism.rank_of(self.replica, peer, 0)
-        return 0, self.parallelism.rank_of(self.replica, peer, last)  # RA, SG
+            return last, at(self.replica, peer, 0, cp)
+        return 0, at(self.replica, peer, last, cp)  # RA, SG
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for a point-to-point message, at most the run's ``timing.timeout_s``; the
@@ -191,7 +237,7 @@ class RankGroups:
         """Share what op rank ``carrier`` received with the rest of the #Op group (under
         sequence parallelism each received its own shard: nothing to share)."""
         if self.op is not None and not self.parallelism.sequence_parallel:
-            src = self.parallelism.rank_of(self.replica, self.stage, carrier)
+            src = self.parallelism.rank_of(self.replica, self.stage, carrier, self.cp_rank)
             dist.broadcast(tensor, src, group=self.op)
 
 

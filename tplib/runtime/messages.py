@@ -14,7 +14,8 @@ place in the list, with the run's timeout; the sends are completed before the al
 Between stages a tensor travels once, between one op rank of each (``RankGroups.wire``);
 the receiving op rank shares it with its #Op group. Under sequence parallelism each op
 rank sends and receives its own shard of the tokens, to and from the same op rank of
-the neighbouring stage.
+the neighbouring stage; under context parallelism each CP rank its l / #CP tokens, to and
+from the same CP rank.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class Messages:
         self.stage, self.groups, self.hidden = stage, groups, hidden
         self.wire_dtype, self.device = wire_dtype, device
         self.wire = torch.device("cpu") if groups.staged else device
-        # Each message holds 1/shards of a unit's tokens: 1/#Op under sequence parallelism.
+        # Each message holds 1/shards of a unit's tokens: 1/#Op under sequence parallelism,
+        # 1/#CP under context parallelism.
         layout = groups.parallelism
-        self.shards = layout.n_op if layout.sequence_parallel else 1
+        self.shards = (layout.n_op if layout.sequence_parallel else 1) * layout.n_cp
         # Where this stage posts its messages: list index -> the groups posted there.
         self.posting: dict[int, list[PostGroup]] = {}
         for group in posting:

@@ -4,8 +4,8 @@ dataclass that checks its own fields when it is made:
 =========================  ================================================================
 part                       what it says
 =========================  ================================================================
-:class:`Parallelism`       the parallel layout: #Data replicas x #Pipe stages x #Op ranks,
-                           the ranks per node, each stage's layers; where a rank sits
+:class:`Parallelism`       the parallel layout: #Data replicas x #Pipe stages x #CP x #Op
+                           ranks, the ranks per node, each stage's layers; where a rank sits
 :class:`Data`              what each iteration trains on: B sequences of L tokens, their
                            source and seed
 :class:`Optim`             the optimizer's recipe: AdamW's hyperparameters, gradient
@@ -36,11 +36,14 @@ SEEDS = (0, 2**63 - 1)  # what torch's generators take
 @dataclass(frozen=True, kw_only=True)
 class Parallelism:
     """The paper's layout of a run: ``n_data`` (#Data) replicas of a pipeline of
-    ``n_stages`` (#Pipe) stages, each stage operation-partitioned over ``n_op`` (#Op) ranks.
+    ``n_stages`` (#Pipe) stages, each stage operation-partitioned over ``n_op`` (#Op) ranks,
+    and with ``n_cp`` (#CP) > 1 each of those again over #CP ranks of context parallelism
+    (:mod:`tplib.nn.ring`: each holds 2 of every token slice's 2 x #CP chunks).
 
-    Ranks are numbered op innermost, then stage, then replica, so under torchrun's
-    ``--nproc-per-node`` a stage's #Op ranks are consecutive and share a node. Give
-    ``ranks_per_node`` (the processes per node) and the layout checks that they do.
+    Ranks are numbered op innermost, then CP rank, then stage, then replica (Megatron's
+    order: context parallelism between tensor and pipeline parallelism), so under
+    torchrun's ``--nproc-per-node`` a stage's #Op ranks are consecutive and share a node.
+    Give ``ranks_per_node`` (the processes per node) and the layout checks that they do.
     ``stage_ranges`` gives each stage's layers ``[lo, hi)`` (default: as equal as
     possible); whether they fit the model is the run's check, which knows the model.
 
@@ -62,6 +65,7 @@ class Parallelism:
     n_stages: int = 1
     n_data: int = 1
     n_op: int = 1
+    n_cp: int = 1
     ranks_per_node: int = 0  # processes per node when the run spans nodes; 0: not said
     stage_ranges: tuple[StageRange, ...] | None = None
     n_chunks: int = 1
@@ -72,7 +76,7 @@ class Parallelism:
         check_numbers(
             self,
             integers={
-                **dict.fromkeys(("n_stages", "n_data", "n_op", "n_chunks"), (1, None)),
+                **dict.fromkeys(("n_stages", "n_data", "n_op", "n_cp", "n_chunks"), (1, None)),
                 "ranks_per_node": (0, None),
             },
             reals={},
@@ -110,27 +114,31 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        """#Data x #Pipe x #Op processes."""
-        return self.n_data * self.n_stages * self.n_op
+        """#Data x #Pipe x #CP x #Op processes."""
+        return self.n_data * self.n_stages * self.n_cp * self.n_op
 
-    def position(self, rank: int) -> tuple[int, int, int]:
-        """(replica, stage, op rank) of global ``rank``."""
+    def position(self, rank: int) -> tuple[int, int, int, int]:
+        """(replica, stage, op rank, CP rank) of global ``rank``."""
+        op_cp = self.n_op * self.n_cp
         return (
-            rank // (self.n_stages * self.n_op),
-            rank // self.n_op % self.n_stages,
+            rank // (self.n_stages * op_cp),
+            rank // op_cp % self.n_stages,
             rank % self.n_op,
+            rank // self.n_op % self.n_cp,
         )
 
-    def rank_of(self, replica: int, stage: int, op_rank: int = 0) -> int:
-        """Global rank of (replica, stage, op rank): op innermost, then stage, then replica."""
-        return (replica * self.n_stages + stage) * self.n_op + op_rank
+    def rank_of(self, replica: int, stage: int, op_rank: int = 0, cp_rank: int = 0) -> int:
+        """Global rank of (replica, stage, op rank, CP rank): op innermost, then CP rank,
+        then stage, then replica."""
+        return ((replica * self.n_stages + stage) * self.n_cp + cp_rank) * self.n_op + op_rank
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` unless ``world_size`` processes are this layout."""
         if world_size != self.world_size:
+            cp = (" x #CP", f" x {self.n_cp}") if self.n_cp > 1 else ("", "")
             raise ValueError(
-                f"world size {world_size} is not #Data x #Pipe x #Op = {self.n_data} x "
-                f"{self.n_stages} x {self.n_op} = {self.world_size}"
+                f"world size {world_size} is not #Data x #Pipe{cp[0]} x #Op = {self.n_data} x "
+                f"{self.n_stages}{cp[1]} x {self.n_op} = {self.world_size}"
             )
 
 

@@ -1,7 +1,8 @@
 """What one rank of a run returns, :class:`RankResult` with its trace rows, and where it
 is while it runs, :class:`Progress`.
 
-A trace row is one action a rank ran: where (rank, stage, replica, op rank), which
+A trace row is one action a rank ran: where (rank, stage, replica, op rank; the CP rank
+is the rank's :attr:`RankResult.cp_rank`), which
 iteration it belongs to (counted from the first timed one), what (kind, unit ``b``,
 ``t`` and the weight version ``v``, -1 where none), and when (seconds from the start of
 the pass over the schedule).
@@ -62,6 +63,7 @@ class RankResult:
     grads: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Tensor] = field(default_factory=dict)
     weight_versions: int = 1  # the most weight versions the stage held at once
+    cp_rank: int = 0  # its place in the stage's #CP ring (context parallelism)
 
 
 def spans(values: Sequence[int]) -> str:
@@ -78,9 +80,10 @@ def spans(values: Sequence[int]) -> str:
 
 def rank_label(run: RunConfig, rank: int) -> str:
     """``rank`` of ``run`` with its place in the layout, as errors name it."""
-    replica, stage, op_rank = run.parallelism.position(rank)
+    replica, stage, op_rank, cp_rank = run.parallelism.position(rank)
     op = f", op rank {op_rank}" if run.parallelism.n_op > 1 else ""
-    return f"rank {rank} (stage {stage}, replica {replica}{op})"
+    cp = f", CP rank {cp_rank}" if run.parallelism.n_cp > 1 else ""
+    return f"rank {rank} (stage {stage}, replica {replica}{cp}{op})"
 
 
 class Progress:

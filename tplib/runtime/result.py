@@ -1,6 +1,8 @@
 """What a run returns: every rank's :class:`~tplib.runtime.rank.RankResult` gathered into
 one :class:`RunResult`, with the trace as a DataFrame, the global losses, latencies and
 memory, and the gradients and parameters with #Op shards joined into whole tensors.
+Under context parallelism the loss sums every CP rank's share of it, and the gradients and
+parameters are CP rank 0's (the reduction over #Data x #CP makes them every CP rank's).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class RunResult:
 
     @property
     def losses(self) -> list[float]:
-        """The global mean loss of each timed iteration (summed over replicas' shares)."""
+        """The global mean loss of each timed iteration (summed over the shares of the
+        replicas and CP ranks)."""
         loss_stage = self.config.schedule.placement[-1]  # the model's last part's stage
         last = [r for r in self.ranks if r.stage == loss_stage and r.op_rank == 0]
         return [sum(vals) for vals in zip(*(r.losses for r in last), strict=True)]
@@ -71,7 +74,7 @@ class RunResult:
     ) -> dict[tuple[int, str], torch.Tensor]:
         shards: dict[tuple[int, str], list[torch.Tensor]] = {}
         for r in sorted(self.ranks, key=lambda r: r.op_rank):
-            if r.replica == replica:
+            if r.replica == replica and r.cp_rank == 0:
                 for name, t in tensors(r).items():
                     shards.setdefault((r.stage, name), []).append(t)
         vocab, n_op = self.config.cfg.vocab_size, self.config.parallelism.n_op
@@ -90,6 +93,7 @@ class RunResult:
         """Each rank's measured peak memory (bytes) and its parts."""
         rows = [
             {"rank": r.rank, "stage": r.stage, "replica": r.replica, "op_rank": r.op_rank}
+            | {"cp_rank": r.cp_rank}
             | dataclasses.asdict(r.memory)
             | {"total": r.memory.total}
             for r in self.ranks

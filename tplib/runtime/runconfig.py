@@ -6,7 +6,8 @@ and holds four parts, each a small frozen dataclass that checks its own fields
 :class:`Timing`.
 
 What involves two parts, or a part and the model (the batch against #Data, the stages
-against the model's layers, an asynchronous schedule against clipping), is checked by
+against the model's layers, an asynchronous schedule against clipping, the token slices
+against #CP), is checked by
 :class:`RunConfig` itself, which also builds and validates the schedule. So bad input
 fails here, with a message naming the value and the rule, not in a worker process
 minutes later. It travels as JSON to torchrun jobs (:mod:`tplib.runtime.runfile`).
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from tplib.nn.configs import (
     GPTConfig,
+    check_cp_length,
     check_numbers,
     check_op,
     check_precision,
@@ -147,6 +149,8 @@ class RunConfig:
             self._check_asynchronous(cfg)
         if parallelism.sequence_parallel:
             self._check_sequence_parallel(plan, schedule)
+        if parallelism.n_cp > 1:
+            self._check_context_parallel(cfg, plan, schedule)
         posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
             posting = posting_plan(schedule)
@@ -206,6 +210,28 @@ class RunConfig:
                 "versions and their gradient sums are untested there); use a synchronous "
                 "schedule"
             )
+
+    def _check_context_parallel(self, cfg: GPTConfig, plan: Plan, schedule: Schedule) -> None:
+        """What context parallelism (:mod:`tplib.nn.ring`) needs: L and every token slice
+        cut into 2 x #CP equal chunks, and none of what its ring does not support."""
+        n_cp, layout = self.parallelism.n_cp, self.parallelism
+        check_cp_length(self.data.seq_len, n_cp, f"with n_cp={n_cp}, seq_len")
+        for b, lengths in enumerate(plan.token_slices):
+            for t, n in enumerate(lengths):
+                where = f"token slice {t} of batch slice {b} (plan {plan.to_paper()})"
+                check_cp_length(n, n_cp, f"with n_cp={n_cp}, {where}")
+        refused = (  # (what, whether this run has it, why the ring refuses it)
+            ("an asynchronous schedule", schedule.asynchronous, "its weight versions are"),
+            ("sequence_parallel", layout.sequence_parallel, "splitting a slice twice is"),
+            (f"dropout={cfg.dropout}", cfg.dropout > 0, "dropping probabilities is"),
+            ("device='cuda'", self.device == "cuda", "NCCL's message ordering is"),
+        )
+        for what, bad, why in refused:
+            if bad:
+                raise ValueError(
+                    f"n_cp={n_cp} with {what} (schedule {self.schedule_name!r}): context "
+                    f"parallelism does not support it yet: {why} untested with the ring"
+                )
 
     @property
     def lr_schedule(self) -> LRSchedule:

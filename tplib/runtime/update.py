@@ -11,14 +11,17 @@ Where a parameter's gradient accumulates is its *gradient buffer*
 (:meth:`Update.grad_buffers`): ``.grad`` in fp32 and bf16, the fp32 ``main_grad`` in fp16
 (:mod:`tplib.nn.precision`). The data-parallel and tied-embedding all-reduces sum those,
 and under sequence parallelism so does the #Op group's sum of the replicated parameters'
-gradients (:meth:`Update.sum_sequence_shards`).
+gradients (:meth:`Update.sum_sequence_shards`). Under context parallelism each CP rank's
+gradients are those of its tokens' share of the loss: the data-parallel reduction runs
+over #Data x #CP ranks (as Megatron's), so every rank steps with the whole batch's.
 
 With the distributed optimizer (``Parallelism.distributed_optimizer``) the buffers are
 views of one flat buffer: after the tied all-reduce they are reduce-scattered over #Data
 instead of all-reduced, each replica clips and steps its own shard
 (:class:`~tplib.nn.sharded_optimizer.ShardedOptimizer`), counting its shard in the norm,
-and the updated parameters are all-gathered; an fp16 skip is still taken by every rank
-together, and then nothing is gathered, since no shard moved. The reduction is not
+and the updated parameters are all-gathered (the shards are over #Data x #CP under
+context parallelism); an fp16 skip is still taken by every rank together, and then
+nothing is gathered, since no shard moved. The reduction is not
 overlapped with the last backward: it starts at ``AR``, as the all-reduce does.
 """
 
@@ -76,8 +79,9 @@ class Update:
         self.optimizer: MixedPrecisionOptimizer | PlainOptimizer | ShardedOptimizer
         if run.parallelism.distributed_optimizer:  # this replica's shard of #Data
             optim = run.optim
+            n_shards = run.parallelism.n_data * run.parallelism.n_cp
             self.optimizer = ShardedOptimizer(
-                self.params, run.precision, shard=groups.replica, n_shards=run.parallelism.n_data,
+                self.params, run.precision, shard=groups.reduce_index, n_shards=n_shards,
                 lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
                 eps=optim.adam_eps, decay=DECAY_RULES[optim.weight_decay_params],
             )  # fmt: skip
@@ -122,9 +126,9 @@ class Update:
             self.groups.all_reduce_flat(replicated, self.groups.op)
 
     def reduce_gradients(self) -> None:
-        """Sum the stage's gradient buffers across its data-parallel replicas (after the
-        tied embedding's sum): all-reduced, or with the distributed optimizer
-        reduce-scattered, each replica getting the sum of its own shard."""
+        """Sum the stage's gradient buffers across its data-parallel replicas and CP ranks
+        (after the tied embedding's sum): all-reduced, or with the distributed optimizer
+        reduce-scattered, each getting the sum of its own shard."""
         data = self.groups.data
         if data is None:
             return
@@ -143,7 +147,7 @@ class Update:
         if not isinstance(opt, ShardedOptimizer) or data is None:
             return self.grad_buffers()
         flat = opt.flat_grads.clone()
-        lo, hi = opt.layout.shard(self.groups.replica)
+        lo, hi = opt.layout.shard(self.groups.reduce_index)
         self.groups.all_gather_flat(flat, flat[lo:hi], data)
         return flat_views(flat, [p.shape for p in self.params], opt.layout)
 
@@ -152,8 +156,8 @@ class Update:
         order: per parameter, or with the distributed optimizer per piece of its shard)
         to the global norm: every gradient of the model exactly once.
 
-        Data-parallel replicas hold equal gradients after the all-reduce: replica 0
-        counts them; with the distributed optimizer each replica holds the sum of its
+        Data-parallel replicas and CP ranks hold equal gradients after the all-reduce:
+        replica 0's CP rank 0 counts them; with the distributed optimizer each replica holds the sum of its
         own shard only, and counts that. Replicated parameters (shard_spec None) are
         equal on every op rank: op rank 0 counts them; every op rank counts its shard of
         a partitioned one (vocabulary padding rows have zero gradient). The tied
@@ -170,7 +174,7 @@ class Update:
         assert len(counted) == len(self.params)
         if isinstance(self.optimizer, ShardedOptimizer):
             return [counted[piece.param] for piece in self.optimizer.pieces]
-        return [c and g.replica == 0 for c in counted]
+        return [c and g.reduce_index == 0 for c in counted]
 
     def step(self, index: int) -> None:
         """Iteration ``index``'s update: clip, set the learning rate, step, zero."""

@@ -1,6 +1,9 @@
-"""The per-process pipeline interpreter: one process per (replica, stage, op rank) runs its
-stage's list of actions, iteration after iteration (an asynchronous schedule's list
+"""The per-process pipeline interpreter: one process per (replica, stage, CP rank, op rank)
+runs its stage's list of actions, iteration after iteration (an asynchronous schedule's list
 spans every iteration of the run, and is walked once).
+
+Under context parallelism a rank feeds its stage this CP rank's chunks of every unit's
+token ids and targets (:func:`tplib.nn.ring.cp_shard`).
 
 Each process builds its shard of its stage of the model (with virtual stages, of each of
 its chunks: one module and one executor per chunk), then walks the actions of
@@ -45,6 +48,7 @@ from tplib.nn.bytecount import context_tensors
 from tplib.nn.data import batch_rows
 from tplib.nn.dropout import DropoutKey
 from tplib.nn.precision import autocast, param_dtype
+from tplib.nn.ring import cp_shard
 from tplib.nn.slicing import unit_rows
 from tplib.plan import Unit
 from tplib.runtime.chunk import build_chunks, held_contexts
@@ -89,11 +93,12 @@ class Worker:
         self.run, self.rank, self.hooks = run, rank, hooks
         self.progress = progress or Progress.local(run.parallelism.world_size)
         self.progress.set(rank, 0, Progress.SETUP)
-        self.replica, self.stage_id, self.op_rank = run.parallelism.position(rank)
+        self.replica, self.stage_id, self.op_rank, cp_rank = run.parallelism.position(rank)
         self.schedule = run.schedule
         self.plan = self.schedule.plan  # an asynchronous one: every iteration's units
         self.device = torch.device(run.device)
         self.groups = RankGroups(run, rank, self.device)
+        self.cp = self.groups.cp_group()  # None without context parallelism
         self.wire_dtype = param_dtype(run.precision)
         self.meter = MemoryMeter()
         self.counting = self.device.type == "cpu" and hooks.count_memory
@@ -103,6 +108,7 @@ class Worker:
             self.stage_id,
             self.device,
             op=self.groups.op_group(),
+            cp=self.cp,
             hold=self.meter.hold if self.counting else None,
         )
         self.modules = [chunk.module for chunk in self.chunks]
@@ -124,7 +130,9 @@ class Worker:
             for b in range(self.plan.n_batch_slices):
                 self.meter.exclude(context_tensors([c.executor.context(b) for c in self.chunks]))
         first = (self.modules[0].lo, self.modules[0].hi)  # the first chunk's, with several
-        self.result = RankResult(rank, self.stage_id, self.replica, first, self.op_rank)
+        self.result = RankResult(
+            rank, self.stage_id, self.replica, first, self.op_rank, cp_rank=cp_rank
+        )
 
     def _hand_on(self, it: _Iteration, action: Action, step: int, tensor: Tensor) -> None:
         """Pass a forward's output (``step`` +1) or a backward's input gradient (-1) on: to
@@ -151,10 +159,10 @@ class Worker:
         if self.versions is not None:
             self.versions.use(action.v)
         x = it.received.pop((action.kind, action.b, action.t, action.chunk), None)
-        if x is None:
-            x = unit_rows(self.plan, unit, it.tokens)  # token ids
+        if x is None:  # token ids: this CP rank's chunks of them
+            x = cp_shard(unit_rows(self.plan, unit, it.tokens), self.cp)
         last = chunk.module.is_last
-        y = unit_rows(self.plan, unit, it.targets) if last else None
+        y = cp_shard(unit_rows(self.plan, unit, it.targets), self.cp) if last else None
         if self.asynchronous and self.counting:  # allocated as the unit enters
             self.meter.exclude(context_tensors([chunk.executor.context(unit.b)]))
         out = chunk.executor.forward(unit, x, y)
