@@ -399,6 +399,7 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
         ),
         (["--schedule", "interleaved-1f1b"], "--slices=4 with interleaved-1f1b: interleaved-1f1b"),
         (["--sequence-parallel"], "sequence_parallel=True with n_op=1: sequence parallelism"),
+        (["--cp", "4"], "token slice 0 of batch slice 0 (plan [(1, [4] * 4)] * 2) of 4 tokens"),
         (
             ["--op", "4", "--slices", "8", "--sequence-parallel"],
             "n_op=4: token slices [2, 2, 2, 2, 2, 2, 2, 2] of batch slice 0",

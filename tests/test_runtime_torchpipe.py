@@ -62,6 +62,7 @@ def test_torch_runs_a_tplib_schedule_as_tplib_does(
             {"parallelism": Parallelism(n_stages=2, n_data=2), "slicing": Plan.gpipe(2, SEQ_LEN)},
             "n_data=2",
         ),
+        ({"parallelism": Parallelism(n_stages=2, n_cp=2)}, "n_cp=2"),
         ({"recompute": "full"}, "recompute='full'"),
         ({"recompute": "selective"}, "recompute='selective'"),
         ({"model_overrides": (("dropout", 0.1),)}, "dropout=0.1"),

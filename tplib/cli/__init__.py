@@ -186,6 +186,13 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="split LayerNorms, dropouts and residual adds along the tokens over #Op",
     )
     p.add_argument(
+        "--cp",
+        type=ANY_INT,
+        default=1,
+        help="#CP: context-parallel ranks per stage and op rank (ring attention; every "
+        "token slice divisible by 2 x #CP)",
+    )
+    p.add_argument(
         "--chunks",
         type=ANY_INT,
         help="v: chunks (virtual stages) per stage, for the schedules that place them "

@@ -93,6 +93,7 @@ def bench_command(args: argparse.Namespace) -> int:
             n_stages=args.stages,
             n_data=args.data,
             n_op=args.op,
+            n_cp=args.cp,
             n_chunks=chunks,
             sequence_parallel=args.sequence_parallel,
             distributed_optimizer=args.distributed_optimizer,
@@ -118,6 +119,7 @@ def bench_command(args: argparse.Namespace) -> int:
     print(
         f"{run.schedule_name}: {run.model}, K={par.n_stages}, #Data={par.n_data}, "
         f"#Op={par.n_op}{' sequence-parallel' if par.sequence_parallel else ''}"
+        f"{f', #CP={par.n_cp}' if par.n_cp > 1 else ''}"
         f"{' (distributed optimizer)' if par.distributed_optimizer else ''}, "
         f"B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
         f"{run.precision} on {run.device}, plan {result.plan}"
@@ -140,6 +142,7 @@ def bench_command(args: argparse.Namespace) -> int:
         print(
             f"  stage {k} peak memory {got / mib:.2f} MiB ({result.memory_source}); "
             f"model {want / mib:.2f} MiB ({want / got - 1:+.1%})"
+            + (" (the model does not know #CP: it prices whole slices)" if par.n_cp > 1 else "")
         )
     return 0
 

@@ -11,6 +11,7 @@ of training it. One mechanism per module:
 - :mod:`~tplib.nn.linear`, :mod:`~tplib.nn.wgrad`: the matrix products, weight gradients
   deferred for split backwards;
 - :mod:`~tplib.nn.oppart`: operation partitioning (Megatron's scheme);
+- :mod:`~tplib.nn.ring`: context parallelism, ring attention over the #CP ranks;
 - :mod:`~tplib.nn.dropout`: dropout keyed by position;
 - :mod:`~tplib.nn.precision`, :mod:`~tplib.nn.optimizer`, :mod:`~tplib.nn.lr`: fp32, bf16
   and fp16, their optimizers, the learning-rate schedule;

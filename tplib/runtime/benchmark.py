@@ -52,6 +52,8 @@ class BenchResult:
     modelled_peak_bytes: tuple[float, ...]  # the analytic model's, each stage
     memory_error: float  # the largest |modelled / measured - 1| over the stages
     backend: str  # "gloo" or "nccl" (tplib.runtime.backend)
+    # #CP; the modelled memory does not know it (each rank priced with whole slices)
+    n_cp: int = 1
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -127,4 +129,5 @@ def bench(
             default=float("nan"),  # memory was not counted
         ),
         backend=backend,
+        n_cp=run.parallelism.n_cp,
     )

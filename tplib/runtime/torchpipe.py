@@ -81,6 +81,7 @@ def check_torch_run(run: RunConfig, schedule: Schedule) -> None:
     unlike = {
         "n_data": (p.n_data, 1),
         "n_op": (p.n_op, 1),
+        "n_cp": (p.n_cp, 1),
         "recompute": (run.recompute, "none"),
         "dropout": (run.cfg.dropout, 0.0),
         "precision": (run.precision, "fp32"),

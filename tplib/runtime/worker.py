@@ -130,9 +130,8 @@ class Worker:
             for b in range(self.plan.n_batch_slices):
                 self.meter.exclude(context_tensors([c.executor.context(b) for c in self.chunks]))
         first = (self.modules[0].lo, self.modules[0].hi)  # the first chunk's, with several
-        self.result = RankResult(
-            rank, self.stage_id, self.replica, first, self.op_rank, cp_rank=cp_rank
-        )
+        self.result = RankResult(rank, self.stage_id, self.replica, first, self.op_rank)
+        self.result.cp_rank = cp_rank
 
     def _hand_on(self, it: _Iteration, action: Action, step: int, tensor: Tensor) -> None:
         """Pass a forward's output (``step`` +1) or a backward's input gradient (-1) on: to
