@@ -15,21 +15,22 @@ the peak's other terms are met, case by case:
   bytes. **Exact**: the fastest plan that fits (within the usual ``(K - 1) eps``).
 - **Fill-drain, any other kept bytes** (attention scores kept without recomputation:
   ``l (c + l)`` per unit, quadratic in the slice). The sum is additive over slices, a
-  constrained shortest path that the DP cannot bound exactly. The planner first tries
-  the fastest plan (it may fit); else it minimises ``latency + lambda * sum kept`` over a
-  Lagrangian search of lambda (geometric steps, then bisection), with the working bytes
-  limited per slice, and keeps the fastest plan whose true peak fits. The plan with the
-  least peak (found exactly: the same search with kept bytes summed and working bytes as
-  the limit) is the fallback, so a plan is found whenever one fits. **Feasible, not
-  necessarily the fastest**: a plan between two lambdas' answers may be missed.
+  constrained shortest path that the DP cannot bound exactly. The planner takes the
+  fastest plan if it fits; else the plan with the least peak (found exactly: the same
+  search with kept bytes summed and working bytes as the limit) is the fallback, so a
+  plan is found whenever one fits, and better ones are sought by minimising
+  ``latency + lambda * sum kept`` (lambda by x4 steps, then bisection; working bytes
+  limited per slice) and by limits on each slice's kept bytes, each answer counted only
+  if its true peak fits. **Feasible, not necessarily the fastest.**
 - **1F1B** (``in_flight = w``). The peak sums the ``w + M`` largest kept bytes, M the
-  most token slices of a batch slice. Sufficient limits per slice: every slice at least
-  ``ceil(n / m)`` grid steps (so M <= m), kept bytes at most ``a`` and working bytes at
-  most ``omega``, with ``(w + m) a + omega <= capacity - fixed``. The planner tries m =
-  1, 2, 4, ..., n and a few shares of the budget between ``a`` and ``omega`` (one when
-  either term is zero), each an exact search of its own masked grid, pruned by the best
-  plan so far. **Feasible, not necessarily the fastest**: the sufficient limits forbid
-  plans whose real window fits (exact only where the kept bytes are all zero).
+  most token slices of a batch slice. The fastest plan is taken if it fits. Else,
+  sufficient limits per slice: every slice at least ``ceil(n / m)`` grid steps (so
+  M <= m), kept bytes at most ``a``, working bytes at most ``omega``, with
+  ``(w + m) a + omega <= capacity - fixed``, for m = 1, 2, ..., 16, then powers of two,
+  and a among the kept bytes' values (quantiles); each an exact search of its own
+  masked grid, pruned by the best plan so far. Then, near the best m, looser limits
+  (a up to the whole budget, by bisection) whose plans count only if their true peak
+  fits. **Feasible, not necessarily the fastest** (exact where no unit keeps bytes).
 
 Every returned plan's peak is checked by :func:`~tplib.planner.memory.peak_bytes`. When
 none fits, :class:`~tplib.planner.memory.NothingFitsError` names the least peak any plan
@@ -106,6 +107,12 @@ class _Problem:
         t, _, _ = self.units(r)
         return sum(t) + sum(self.extra[b - 1] for b in r.sizes) + self.fill * max(t)
 
+    def window_peak(self, r: JointResult, w: int) -> float:
+        """The 1F1B peak of ``r``'s plan: the w + M largest kept bytes."""
+        _, k, wk = self.units(r)
+        held = sorted(k)[-(w + max(map(len, r.slicings))) :]
+        return self.fixed + sum(held) + max(wk)
+
     def peak(self, r: JointResult) -> float:
         """The fill-drain peak of ``r``'s plan."""
         _, k, w = self.units(r)
@@ -169,23 +176,29 @@ def _fill_drain(p: _Problem, capacity: float) -> JointResult:
             r = p.search(ce, values=ce + lam * kept)
             return r if r is not None and p.peak(r) <= capacity else None
 
-        found = [r] if (r := at(0.0)) is not None else []
+        fits = [r] if (r := at(0.0)) is not None else []
         lo, hi, lam = 0.0, 0.0, scale / 16
-        while not found and lam < scale * 4.0**LAMBDA_STEPS:
+        while not fits and lam < scale * 4.0**LAMBDA_STEPS:
             if (r := at(lam)) is not None:
-                hi, found = lam, [r]
+                hi, fits = lam, [r]
             else:
                 lo, lam = lam, lam * 4
         for _ in range(BISECTIONS if hi > 0 else 0):
             mid = (lo + hi) / 2
             if (r := at(mid)) is not None:
                 hi = mid
-                found.append(r)
+                fits.append(r)
             else:
                 lo = mid
-        for r in found:
+        for r in fits:
             if (t := p.latency(r)) < best_t:
                 best, best_t = r, t
+        # Limits on each slice's kept bytes cut the sum too: more candidates, checked.
+        kept_values = np.unique(p.kept[np.isfinite(ce)])
+        for a in kept_values[np.linspace(0, len(kept_values) - 1, A_VALUES).round().astype(int)]:
+            r = p.search(_masked(ce, p.kept > a), incumbent=best_t)
+            if r is not None and p.peak(r) <= capacity:
+                best, best_t = r, p.latency(r)
     return best
 
 
@@ -207,19 +220,42 @@ def _nothing_fits(p: _Problem, capacity: float) -> JointResult:
 
 
 def _one_f_one_b(p: _Problem, capacity: float, w: int) -> JointResult:
+    fastest = p.search(p.ce)
+    assert fastest is not None  # every slice allowed
+    if p.window_peak(fastest, w) <= capacity:
+        return fastest
     budget, n = capacity - p.fixed, p.ce.shape[1] - 1
     finite = np.isfinite(p.ce)
     kept = np.unique(p.kept[finite])
     no_working = not (p.working[finite] > 0).any()
     i, j = np.indices(p.ce.shape[1:])
     best: JointResult | None = None
-    for m, a in _window_candidates(n, w, kept, budget, no_working):
+
+    def search(m: int, a: float, omega: float) -> JointResult | None:
         short = (i - j) < -(-n // m)  # every slice >= ceil(n / m) steps: M <= m
-        forbid = short[None] | (p.kept > a) | (p.working > budget - (w + m) * a)
+        forbid = short[None] | (p.kept > a) | (p.working > omega)
         incumbent = np.inf if best is None else best.objective
-        found = p.search(_masked(p.ce, forbid), incumbent=incumbent)
-        if found is not None:
-            best = found
+        return p.search(_masked(p.ce, forbid), incumbent=incumbent)
+
+    best_m, tops = 0, dict[int, float]()
+    for m, a, omega in _window_candidates(n, w, kept, budget, no_working):
+        tops[m] = max(tops.get(m, 0.0), a)
+        if (found := search(m, a, omega)) is not None:
+            best, best_m = found, m
+    # Beyond the sufficient limits, near the best m (every m if none): plans count if
+    # their peak fits. Per m, a bisection over the kept bytes' values up to the budget.
+    for m in [m for m in tops if best is None or best_m / 2 <= m <= 2 * best_m]:
+        above = kept[(kept > tops[m]) & (kept <= budget)]
+        if len(above) > 2 * A_VALUES:
+            above = above[np.linspace(0, len(above) - 1, 2 * A_VALUES).round().astype(int)]
+        lo, hi = -1, len(above)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = search(m, float(above[mid]), budget - float(above[mid]))
+            if found is not None and p.window_peak(found, w) > capacity:
+                hi = mid
+            else:
+                best, lo = found or best, mid
     if best is not None:
         return best
     raise _window_error(p, capacity, w)
@@ -227,15 +263,16 @@ def _one_f_one_b(p: _Problem, capacity: float, w: int) -> JointResult:
 
 def _window_candidates(
     n: int, w: int, kept: np.ndarray, budget: float, no_working: bool
-) -> list[tuple[int, float]]:
-    """(m, a) pairs to try: M <= m token slices, kept bytes <= a per slice, the rest of
-    the budget for the working bytes. Every m up to :data:`MAX_CANDIDATES` steps, then
-    powers of two; a from the kept bytes' own values (a limit between two of them
-    forbids what the lower one does), all of them or :data:`A_VALUES` quantiles."""
+) -> list[tuple[int, float, float]]:
+    """(m, a, omega): M <= m token slices, kept bytes <= a and working bytes <= omega
+    per slice, (w + m) a + omega within the budget: sufficient. Every m up to
+    :data:`MAX_CANDIDATES` steps, then powers of two; a from the kept bytes' own values
+    (a limit between two of them forbids what the lower one does), all of them or
+    :data:`A_VALUES` quantiles."""
     if budget < 0:
         return []
-    if not np.isfinite(budget) or kept.max() == 0:  # no kept bytes to bound
-        return [(n, 0.0 if np.isfinite(budget) else np.inf)]
+    if kept.max() == 0:  # no kept bytes to bound: the working bytes' limit is exact
+        return [(n, 0.0, budget)]
     ms = (
         range(1, n + 1)
         if n <= MAX_CANDIDATES
@@ -247,12 +284,12 @@ def _window_candidates(
     for m in tight:
         top = budget / (w + m)
         if no_working:
-            out.append((m, top))
+            out.append((m, top, 0.0))
             continue
         below = kept[kept <= top]
         if len(below) > A_VALUES:
             below = below[np.linspace(0, len(below) - 1, A_VALUES).round().astype(int)]
-        out += [(m, float(a)) for a in below[::-1]]
+        out += [(m, float(a), budget - (w + m) * float(a)) for a in below[::-1]]
     return out
 
 
