@@ -4,6 +4,8 @@ memory accounting matches memory_per_gpu on fill-drain plans and bounds the repl
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tplib.cluster import ClusterCostModel, Implementation
@@ -81,7 +83,7 @@ def test_the_planner_keeps_the_cluster_plan_within_memory() -> None:
     # need more than the capacity given; the planner's plan fits, as memory_per_gpu says.
     cost = ClusterCostModel("GPT3-44B", n_stages=24, n_op=8)
     mem = ClusterSliceMemory.of(cost)
-    kw = {"seq_len": 2048, "batch": 4, "n_stages": 24, "granularity": 128}
+    kw: dict[str, Any] = {"seq_len": 2048, "batch": 4, "n_stages": 24, "granularity": 128}
     free = exact_joint(cost, **kw)
     need = memory_per_gpu("GPT3-44B", n_stages=24, n_op=8, plan=free).total
     with pytest.raises(NothingFitsError, match="smallest peak any plan attains") as info:

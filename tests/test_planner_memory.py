@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from functools import cache
+from typing import Any
 
 import numpy as np
 import pytest
@@ -223,7 +224,7 @@ def test_the_1f1b_rule_bounds_what_the_schedule_holds() -> None:
 def test_bad_input_is_refused() -> None:
     times, mem, n, batch, k, capacity = problem(1, 0.0, None)
     cost = TableCost(times, G)
-    kw = {"seq_len": n * G, "batch": batch, "n_stages": k, "granularity": G}
+    kw: dict[str, Any] = {"seq_len": n * G, "batch": batch, "n_stages": k, "granularity": G}
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="capacity="):
             exact_joint(cost, **kw, memory=mem, capacity=bad)

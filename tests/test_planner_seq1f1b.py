@@ -3,6 +3,9 @@ token, the choice of k against every k priced one by one, and the DP never slowe
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -42,11 +45,11 @@ def test_slices_have_equal_flops_within_one_grid_step(
     assert all(s > 0 and s % g == 0 for s in lengths)
     per_token = token_flops(flops, seq_len)
     bounds = np.cumsum((0, *lengths))
-    work = [per_token[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    work = [per_token[a:b].sum() for a, b in itertools.pairwise(bounds)]
     step = g * per_token[-1]  # the most FLOPs one grid step holds
     assert max(abs(x - per_token.sum() / k) for x in work) <= step
     # Later tokens attend to more keys: slices shrink along the sequence.
-    assert all(a >= b - g for a, b in zip(lengths[:-1], lengths[1:], strict=True))
+    assert all(a >= b - g for a, b in itertools.pairwise(lengths))
     assert flops.slice_flops(np.array(lengths), bounds[:-1]) == pytest.approx(work)
 
 
@@ -75,7 +78,7 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="granularity g=24"):
         equal_flop_slices(GPT, 64, 2, 24)
     for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="FlopModel.linear"):
+        with pytest.raises(ValueError, match=r"FlopModel\.linear"):
             FlopModel(bad, 1.0)
     with pytest.raises(ValueError, match="a token must cost FLOPs"):
         FlopModel(0.0, 0.0)
@@ -126,7 +129,7 @@ class Kept:
 
 def test_best_k_within_memory() -> None:
     cost, mem = table(32, 8, 1, 4e-9), Kept()
-    kw = {"seq_len": 256, "batch": 2, "n_stages": 6}
+    kw: dict[str, Any] = {"seq_len": 256, "batch": 2, "n_stages": 6}
     free = best_seq1f1b(cost, GPT, **kw)
     peaks = {
         k: peak_bytes(seq1f1b_plan(GPT, seq_len=256, batch_slices=(1, 1), n_slices=k), mem)
@@ -136,7 +139,7 @@ def test_best_k_within_memory() -> None:
     p = best_seq1f1b(cost, GPT, **kw, memory=mem, capacity=capacity)
     fits = [k for k in peaks if peaks[k] <= capacity]
     assert p.n_token_slices(0) in fits and peak_bytes(p, mem) <= capacity
-    assert p.latency is not None and p.latency >= free.latency
+    assert p.latency is not None and free.latency is not None and p.latency >= free.latency
     with pytest.raises(NothingFitsError, match="smallest peak") as info:
         best_seq1f1b(cost, GPT, **kw, memory=mem, capacity=min(peaks.values()) / 2)
     assert info.value.smallest_peak == pytest.approx(min(peaks.values()))

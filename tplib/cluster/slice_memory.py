@@ -135,9 +135,7 @@ class ClusterSliceMemory:
         inputs *= self._layers if impl.layer_checkpoints else 1
         return inputs + self._logits(b, length)
 
-    def working(
-        self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
-    ) -> np.ndarray:
+    def working(self, batch_slice_size: int, length: np.ndarray, context: np.ndarray) -> np.ndarray:
         if self.recompute != "full":
             return np.zeros(np.broadcast(length, context).shape)
         span = self._layers if self.implementation.layer_checkpoints else 1
