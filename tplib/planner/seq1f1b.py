@@ -176,24 +176,26 @@ def best_seq1f1b(
     check_costs(t, size, length, context)
     starts = np.cumsum([0, *ks[:-1]])
     copies = batch // size
-    latency = copies * np.add.reduceat(t, starts) + fill * np.maximum.reduceat(t, starts)
-    plans = [
-        Plan((size,) * copies, (s,) * copies, float(lat), float(tm), None)
-        for s, lat, tm in zip(slicings, latency, np.maximum.reduceat(t, starts), strict=True)
-    ]
-    if memory is not None and capacity is not None:
-        peaks = [peak_bytes(p, memory) for p in plans]
-        fitting = [p for p, peak in zip(plans, peaks, strict=True) if peak <= capacity]
-        if not fitting:
-            least = min(peaks)
-            raise NothingFitsError(
-                f"no Seq1F1B slicing (k in {ks[0]}..{ks[-1]}, batch slices of {size}) fits in "
-                f"{capacity / 2**30:.3f} GiB: the smallest peak among them is "
-                f"{least / 2**30:.3f} GiB",
-                least,
-            )
-        plans = fitting
-    return min(plans, key=lambda p: p.latency if p.latency is not None else math.inf)
+    t_max = np.maximum.reduceat(t, starts)
+    latency = copies * np.add.reduceat(t, starts) + fill * t_max
+    order = np.argsort(latency, kind="stable")  # fastest first; a Plan only when asked
+
+    def plan(i: int) -> Plan:
+        return Plan((size,) * copies, (slicings[i],) * copies, float(latency[i]), float(t_max[i]))
+
+    if memory is None or capacity is None:
+        return plan(int(order[0]))
+    least = math.inf
+    for i in order:
+        p = plan(int(i))
+        if (peak := peak_bytes(p, memory)) <= capacity:
+            return p
+        least = min(least, peak)
+    raise NothingFitsError(
+        f"no Seq1F1B slicing (k in {min(ks)}..{max(ks)}, batch slices of {size}) fits in "
+        f"{capacity / 2**30:.3f} GiB: the smallest peak among them is {least / 2**30:.3f} GiB",
+        least,
+    )
 
 
 @dataclass(frozen=True)
