@@ -11,8 +11,10 @@ import pytest
 from tests.explorer_cases import SMALL
 from tplib.explorer.exploration import Exploration, explore
 from tplib.explorer.scenario import Scenario, scenario_for_profile, scenario_for_setting
+from tplib.nn.configs import get_config
 from tplib.perfmodel import Profile
-from tplib.planner import pipeline_latency
+from tplib.plan import Plan
+from tplib.planner import FlopModel, equal_flop_slices, pipeline_latency
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,10 @@ def test_explore_plans_the_setting(small: Exploration) -> None:
     assert small.gpipe_predicted == small.uniform["predicted"].iloc[0]  # GPipe = 1 slice
     assert small.sim is not None and small.gpipe is not None
     table = small.summary()
-    dp, best, gpipe = table.index
+    dp, seq, best, gpipe = table.index
     assert (dp, gpipe) == ("DP (TeraPipe)", "GPipe (w/o TeraPipe)")
+    assert small.seq1f1b is not None
+    assert seq == f"Seq1F1B (equal FLOPs, #slices={small.seq1f1b.n_token_slices(0)})"
     assert best == f"best uniform (#slices={small.best_uniform['n_slices']})"
     assert table["simulated_s"][dp] == small.sim.latency
     assert table["predicted_s"][dp] == small.predicted
@@ -49,6 +53,19 @@ def test_dp_beats_every_uniform_slicing_under_the_planners_cost(small: Explorati
     assert (small.predicted <= small.uniform["predicted"] + tol).all()
     assert small.predicted < small.gpipe_predicted
     assert small.best_uniform["predicted"] == small.uniform["predicted"].min()
+
+
+def test_seq1f1b_beside_the_dp_and_the_uniform_slicings(small: Exploration) -> None:
+    sc, seq = small.scenario, small.seq1f1b
+    assert seq is not None and small.seq1f1b_sim is not None
+    # The DP's search holds Seq1F1B's slicing; Seq1F1B's best #slices beats the table's.
+    assert small.predicted <= small.seq1f1b_predicted + (sc.n_stages - 1) * sc.eps + 1e-12
+    assert small.seq1f1b_predicted <= small.uniform["seq1f1b_predicted"].min() + 1e-12
+    row = small.uniform.iloc[3]
+    flops = FlopModel.of(get_config(sc.model))
+    expected = equal_flop_slices(flops, sc.seq_len, int(row["n_slices"]), sc.granularity)
+    assert Plan.from_paper(row["seq1f1b_plan"]).token_slices == (expected,) * 4
+    assert "Seq1F1B (equal-FLOP slices)" in small.describe()
 
 
 def test_paper_method_objective_bounds_its_fill_drain_latency() -> None:

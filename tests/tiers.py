@@ -76,6 +76,7 @@ SLOW = frozenset(
         "test_cli.py::test_simulate_prints_the_paper_s_numbers_beside_ours[argv1-4-paper1]",
         "test_cli.py::test_table_command_prints_and_saves",
         "test_cli_partitioning.py::test_autoplan_json_has_the_best_first",
+        "test_cli_planning.py::test_memory_limit",
         "test_cli_partitioning.py::test_autoplan_writes_the_best_layouts_run",
         "test_cluster.py::test_stored_calibration_equals_a_fresh_fit",
         "test_cluster.py::test_terapipe_zb_simulates_on_the_cluster_faster_than_terapipe",

@@ -4,7 +4,8 @@
 command        what it does
 =============  ===========================================================================
 ``profile``    time one pipeline stage on this machine and save a profile (JSON)
-``plan``       the DP planner on a saved profile or a paper setting, beside the best
+``plan``       the DP planner (or Seq1F1B's or uniform slicing) on a saved profile or
+               a paper setting, within a memory capacity if given, beside the best
                uniform slicing
 ``simulate``   a paper setting with and without TeraPipe on the simulated V100 cluster
 ``autoplan``   search TeraPipe's whole layout (#Data, #Pipe, #Op, recomputation, plan)
@@ -38,7 +39,13 @@ from collections.abc import Sequence
 
 from tplib.cli.arguments import ANY_INT, COUNT, INT_LIMIT, integer, number, rate
 from tplib.cli.partitioning import autoplan_command, partition_command
-from tplib.cli.planning import plan_command, profile_command, simulate_command
+from tplib.cli.planning import (
+    MEMORY_SCHEDULES,
+    SLICINGS,
+    plan_command,
+    profile_command,
+    simulate_command,
+)
 from tplib.cli.predict import add_predict
 from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
 from tplib.cli.schedule import export_command, import_command, show_command
@@ -103,9 +110,30 @@ def _add_plan_and_simulate(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--batch", type=COUNT, help="B: sequences per pipeline per iteration (profile)")
     p.add_argument("--stages", type=ANY_INT, help="K: pipeline stages (profile)")
     p.add_argument("--eps", type=number(0), default=0.0, help="t_max tolerance, s (0: exact)")
-    p.add_argument("--method", choices=("exact", "paper"), default="exact")
+    p.add_argument(
+        "--method", choices=("exact", "paper"), help="the DP's objective (default exact)"
+    )
     p.add_argument("--granularity", type=COUNT, help="g (default: the profile's)")
     p.add_argument("--max-batch-slice-size", type=COUNT, help="largest batch slice (profile)")
+    p.add_argument(
+        "--slicing",
+        choices=SLICINGS,
+        default="dp",
+        help="dp: TeraPipe's DP (default); seq1f1b: equal-FLOP slices (Seq1F1B); uniform",
+    )
+    p.add_argument(
+        "--slices", type=COUNT, help="token slices per sequence (seq1f1b, uniform; default: best)"
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=number(0, above=True),
+        help="GPU memory, GiB: only plans whose peak fits (--setting: the cluster's memory model)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=MEMORY_SCHEDULES,
+        help="whose units the memory holds at once: terapipe (fill-drain, default) or 1f1b",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan_command)
 

@@ -1,6 +1,12 @@
 """The numpy-only commands: ``profile`` (the one that times, with torch), ``plan`` and
 ``simulate``. ``plan`` and ``simulate`` never import torch: they start in a fraction of
-a second."""
+a second.
+
+``plan`` slices by TeraPipe's DP (``--slicing dp``), Seq1F1B's equal-FLOP rule
+(``seq1f1b``, :mod:`tplib.planner.seq1f1b`) or uniformly (``uniform``), with
+``--slices`` k fixed or the best k; with ``--memory-gib`` only plans whose peak fits,
+by the cluster's memory model of the setting (:mod:`tplib.cluster.slice_memory`) for
+the fill-drain or 1F1B schedule (``--schedule``)."""
 
 from __future__ import annotations
 
@@ -10,14 +16,28 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from tplib.plan import Plan
-from tplib.planner import best_uniform, pipeline_latency, plan_slices
+from tplib.plan import Plan, grid_size
+from tplib.planner import (
+    FlopModel,
+    NothingFitsError,
+    SliceMemory,
+    best_seq1f1b,
+    best_uniform,
+    peak_bytes,
+    pipeline_latency,
+    plan_slices,
+    uniform,
+)
 from tplib.sim.costs import SliceCostModel
 
 if TYPE_CHECKING:
     from tplib.perfmodel import Profile
 
-__all__ = ["plan_command", "profile_command", "simulate_command"]
+__all__ = ["MEMORY_SCHEDULES", "SLICINGS", "plan_command", "profile_command", "simulate_command"]
+
+SLICINGS = ("dp", "seq1f1b", "uniform")
+MEMORY_SCHEDULES = ("terapipe", "1f1b")  # fill-drain, or sequence-level 1F1B
+GIB = 2**30
 
 
 def profile_command(args: argparse.Namespace) -> int:
@@ -82,15 +102,18 @@ def _report(
     uni: Plan,
     n_stages: int,
     plan_seconds: float,
+    memory: SliceMemory | None = None,
 ) -> int:
     """Print the plan beside the best uniform slicing, both on the same yardstick: the
     fill-drain latency sum t + (K - 1) max t. For method="paper" the planner's own
     objective (Plan.latency) differs and is reported as ``objective``."""
     latency = pipeline_latency(p, cost, n_stages)
     uni_latency = pipeline_latency(uni, cost, n_stages)
+    method = (args.method or "exact") if args.slicing == "dp" else None
     out = {
         **meta,
-        "method": args.method,
+        "slicing": args.slicing,
+        "method": method,
         "eps": args.eps,
         **_slices(p),
         "latency": latency,
@@ -100,25 +123,104 @@ def _report(
         "uniform": {**_slices(uni), "latency": uni_latency},
         "speedup_vs_uniform": uni_latency / latency,
     }
+    if memory is not None:
+        out |= {
+            "memory_gib": args.memory_gib,
+            "schedule": args.schedule or "terapipe",
+            "peak_gib": peak_bytes(p, memory) / GIB,
+        }
     if args.json:
         print(json.dumps(out))
         return 0
     print(header)
-    print(f"  plan ({args.method}): {p.to_paper()}")
+    label = f"dp, {method}" if method else args.slicing
+    print(f"  plan ({label}): {p.to_paper()}")
     print(f"  predicted latency {latency:.4g} s (planned in {plan_seconds:.3f} s)")
+    if memory is not None:
+        print(
+            f"  peak memory {out['peak_gib']:.2f} GiB of {args.memory_gib:g} GiB "
+            f"({out['schedule']}'s units in flight)"
+        )
     print(f"  best uniform: {uni.to_paper()}: {uni_latency:.4g} s")
     print(f"  uniform / plan = {uni_latency / latency:.3f}")
     return 0
 
 
+def _check_slicing(args: argparse.Namespace) -> None:
+    """Refuse options the asked slicing would ignore."""
+    if args.slicing == "dp" and args.slices is not None:
+        raise ValueError(
+            "--slices applies to --slicing seq1f1b or uniform: the DP chooses its own slices"
+        )
+    if args.slicing != "dp" and args.method is not None:
+        raise ValueError(f"--method applies to --slicing dp, not {args.slicing}")
+    if args.schedule is not None and args.memory_gib is None:
+        raise ValueError(
+            "--schedule applies with --memory-gib: it names whose units the memory holds"
+        )
+
+
+def _make_plan(
+    args: argparse.Namespace,
+    cost: SliceCostModel,
+    flops: FlopModel,
+    memory: SliceMemory | None,
+    *,
+    seq_len: int,
+    batch: int,
+    n_stages: int,
+    granularity: int,
+    max_batch_slice_size: int | None = None,
+) -> Plan:
+    """The plan ``--slicing`` asks for, within ``--memory-gib`` if given."""
+    capacity = None if memory is None else args.memory_gib * GIB
+    shape = {"seq_len": seq_len, "batch": batch, "n_stages": n_stages}
+    if args.slicing == "seq1f1b":
+        return best_seq1f1b(
+            cost, flops, **shape, granularity=granularity, n_slices=args.slices,
+            memory=memory, capacity=capacity,
+        )  # fmt: skip
+    if args.slicing == "uniform":
+        n = grid_size(seq_len, granularity)
+        ks = [args.slices] if args.slices else [2**e for e in range(n.bit_length())]
+        plans = [uniform(cost, seq_len, batch, n_stages, k, granularity=granularity) for k in ks]
+        if memory is not None and capacity is not None:
+            peaks = [peak_bytes(q, memory) for q in plans]
+            plans = [q for q, peak in zip(plans, peaks, strict=True) if peak <= capacity]
+            if not plans:
+                raise NothingFitsError(
+                    f"no uniform slicing ({ks[0]}..{ks[-1]} slices) fits in "
+                    f"{args.memory_gib:g} GiB: the smallest peak is {min(peaks) / GIB:.3f} GiB",
+                    min(peaks),
+                )
+        return min(plans, key=lambda q: pipeline_latency(q, cost, n_stages))
+    return plan_slices(
+        cost, **shape, granularity=granularity, eps=args.eps, method=args.method or "exact",
+        max_batch_slice_size=max_batch_slice_size, memory=memory, capacity=capacity,
+    )  # fmt: skip
+
+
 def _plan_setting(args: argparse.Namespace) -> int:
+    from tplib.cluster.slice_memory import ClusterSliceMemory
     from tplib.paper import setting
-    from tplib.search.setting import GRANULARITY, cost_model, plan_terapipe
+    from tplib.search.setting import GRANULARITY, cost_model
 
     s = setting(args.setting, args.seq_len)
     cost = cost_model(s)
+    memory = None
+    if args.memory_gib is not None:
+        memory = ClusterSliceMemory.of(cost, args.schedule or "terapipe")
     t0 = time.perf_counter()
-    p = plan_terapipe(s, method=args.method, eps=args.eps)
+    p = _make_plan(
+        args,
+        cost,
+        FlopModel.of(s.config),
+        memory,
+        seq_len=s.seq_len,
+        batch=s.pipeline_batch,
+        n_stages=s.n_stages,
+        granularity=GRANULARITY,
+    )
     seconds = time.perf_counter() - t0
     uni = best_uniform(cost, s.seq_len, s.pipeline_batch, s.n_stages, 1, GRANULARITY)
     meta = {
@@ -135,7 +237,7 @@ def _plan_setting(args: argparse.Namespace) -> int:
         f"setting ({args.setting}) {s.model}: L={s.seq_len}, B={s.pipeline_batch} per "
         f"pipeline, K={s.n_stages}, #Op={s.n_op}, #Data={s.n_data}; V100-cluster model"
     )
-    return _report(args, header, meta, cost, p, uni, s.n_stages, seconds)
+    return _report(args, header, meta, cost, p, uni, s.n_stages, seconds, memory)
 
 
 def _best_uniform_sizes(cost: Any, seq_len: int, batch: int, n_stages: int, g: int) -> Plan:
@@ -159,6 +261,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     if (args.profile is None) == (args.setting is None):
         raise ValueError("give exactly one of --profile FILE or --setting N")
+    _check_slicing(args)
     if args.setting is not None:
         given = [f"--{n.replace('_', '-')}" for n in _PROFILE_ONLY if getattr(args, n) is not None]
         if given:
@@ -170,20 +273,25 @@ def plan_command(args: argparse.Namespace) -> int:
     for name in ("seq_len", "batch", "stages"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required with --profile")
+    if args.memory_gib is not None:
+        raise ValueError(
+            "--memory-gib needs --setting: a profile times a stage but has no memory model"
+        )
     try:
         prof = Profile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"cannot read profile {args.profile}: {exc.strerror or exc}") from None
     g = prof.granularity if args.granularity is None else args.granularity
     t0 = time.perf_counter()
-    p = plan_slices(
+    p = _make_plan(
+        args,
         prof,
+        FlopModel.of(prof.config),
+        None,
         seq_len=args.seq_len,
         batch=args.batch,
         n_stages=args.stages,
         granularity=g,
-        eps=args.eps,
-        method=args.method,
         max_batch_slice_size=args.max_batch_slice_size,
     )
     seconds = time.perf_counter() - t0

@@ -1,9 +1,12 @@
 """Plan a :class:`~tplib.explorer.scenario.Scenario` and set the plan beside its baselines.
 
 :func:`explore` returns an :class:`Exploration`: the DP plan in the paper's notation and
-its predicted latency, every uniform slicing (#slices = 1, 2, 4, ... up to L / g) under
-the same cost model, the simulated timeline of the DP plan, the GPipe ("w/o TeraPipe")
-baseline and, on the cluster model, the memory per GPU.
+its predicted latency, Seq1F1B's equal-FLOP slicing at its best #slices
+(:mod:`tplib.planner.seq1f1b`), every uniform slicing (#slices = 1, 2, 4, ... up to
+L / g) beside Seq1F1B's at the same #slices, all under the same cost model, the
+simulated timelines of the DP plan, of Seq1F1B's and of the best uniform slicing (each
+as the ``terapipe`` schedule, so that only the slicing differs), the GPipe ("w/o
+TeraPipe") baseline and, on the cluster model, the memory per GPU.
 
 "Predicted" latencies are the planner's objective ``sum t + (K - 1) max t`` (Eq. 5)
 under the cost model's slice times; "simulated" ones replay the schedule in
@@ -21,8 +24,17 @@ import pandas as pd
 
 from tplib.cluster import ClusterCostModel, MemoryEstimate
 from tplib.explorer.scenario import Scenario, cost_model
+from tplib.nn.configs import get_config
+from tplib.perfmodel import Profile
 from tplib.plan import Plan
-from tplib.planner import pipeline_latency, plan_slices, uniform
+from tplib.planner import (
+    FlopModel,
+    best_seq1f1b,
+    pipeline_latency,
+    plan_slices,
+    seq1f1b_plan,
+    uniform,
+)
 from tplib.sim.costs import ActionCosts, SliceCostModel, memo
 from tplib.sim.simulate import SimResult, costs_from_slice_model, simulate_schedule
 
@@ -70,6 +82,12 @@ class Exploration:
     memory: MemoryEstimate | None = None  # cluster only: peak memory per GPU, DP plan
     gpipe_memory: MemoryEstimate | None = None
     notes: tuple[str, ...] = field(default=())
+    # Seq1F1B's equal-FLOP slicing at its best #slices (one-sequence batch slices), its
+    # predicted latency (Eq. 5), its simulation (as terapipe) and memory per GPU.
+    seq1f1b: Plan | None = None
+    seq1f1b_predicted: float = np.nan
+    seq1f1b_sim: SimResult | None = None
+    seq1f1b_memory: MemoryEstimate | None = None
 
     @property
     def best_uniform(self) -> pd.Series:
@@ -88,6 +106,7 @@ class Exploration:
         u_sim = self.best_uniform_sim.latency if self.best_uniform_sim else np.nan
         rows = [
             ("DP (TeraPipe)", self.plan.to_paper(), self.predicted, sim, gib[0], fits[0]),
+            *self._seq1f1b_row(),
             (
                 f"best uniform (#slices={best['n_slices']})",
                 best["plan"],
@@ -103,6 +122,21 @@ class Exploration:
         df.insert(4, "speedup_predicted", self.gpipe_predicted / df["predicted_s"])
         df.insert(5, "speedup_simulated", g_sim / df["simulated_s"])
         return df.set_index("algorithm")
+
+    def _seq1f1b_row(self) -> list[tuple[object, ...]]:
+        if self.seq1f1b is None:
+            return []
+        m = self.seq1f1b_memory
+        return [
+            (
+                f"Seq1F1B (equal FLOPs, #slices={self.seq1f1b.n_token_slices(0)})",
+                self.seq1f1b.to_paper(),
+                self.seq1f1b_predicted,
+                self.seq1f1b_sim.latency if self.seq1f1b_sim else np.nan,
+                m.total / 2**30 if m else np.nan,
+                m.fits if m else None,
+            )
+        ]
 
     def describe(self) -> str:
         """The plan and its numbers as text."""
@@ -125,6 +159,12 @@ class Exploration:
             f"(the DP saves {1 - self.predicted / best['predicted']:.1%}); GPipe predicted "
             f"{self.gpipe_predicted:.4g} s (DP {self.gpipe_predicted / self.predicted:.2f}x)"
         )
+        if self.seq1f1b is not None:
+            lines.append(
+                f"  Seq1F1B (equal-FLOP slices): #slices={self.seq1f1b.n_token_slices(0)}, "
+                f"predicted {self.seq1f1b_predicted:.4g} s (the DP saves "
+                f"{1 - self.predicted / self.seq1f1b_predicted:.1%})"
+            )
         if self.sim is not None and self.gpipe is not None:
             lines.append(
                 f"  simulated: DP {self.sim.latency:.4g} s (bubble "
@@ -139,8 +179,9 @@ class Exploration:
         return "\n".join(lines)
 
 
-def _uniform_table(sc: Scenario, cached: _CachedSliceTimes) -> pd.DataFrame:
-    """Every uniform slicing of one-sequence batch slices, #slices = 1, 2, 4, ... <= L / g."""
+def _uniform_table(sc: Scenario, cached: _CachedSliceTimes, flops: FlopModel) -> pd.DataFrame:
+    """Every uniform slicing of one-sequence batch slices, #slices = 1, 2, 4, ... <= L / g,
+    and Seq1F1B's equal-FLOP slicing at the same #slices."""
     cluster = cached.cost if isinstance(cached.cost, ClusterCostModel) else None
     rows = []
     for e in range((sc.seq_len // sc.granularity).bit_length()):
@@ -148,6 +189,13 @@ def _uniform_table(sc: Scenario, cached: _CachedSliceTimes) -> pd.DataFrame:
             cached, sc.seq_len, sc.pipeline_batch, sc.n_stages, 2**e, granularity=sc.granularity
         )
         mem = cluster.memory(u) if cluster else None
+        seq = seq1f1b_plan(
+            flops,
+            seq_len=sc.seq_len,
+            batch_slices=(1,) * sc.pipeline_batch,
+            n_slices=2**e,
+            granularity=sc.granularity,
+        )
         rows.append(
             {
                 "n_slices": 2**e,
@@ -156,6 +204,8 @@ def _uniform_table(sc: Scenario, cached: _CachedSliceTimes) -> pd.DataFrame:
                 "t_max": u.t_max,
                 "memory_gib": mem.total / 2**30 if mem else np.nan,
                 "fits_memory": mem.fits if mem else None,
+                "seq1f1b_plan": seq.to_paper(),
+                "seq1f1b_predicted": pipeline_latency(seq, cached, sc.n_stages),
             }
         )
     return pd.DataFrame(rows)
@@ -178,7 +228,16 @@ def explore(scenario: Scenario) -> Exploration:
     plan_seconds = time.perf_counter() - t0
     assert p.latency is not None  # the planner always records its objective
     cached = _CachedSliceTimes(cost)  # one cache for the uniform plans and the DP plan
-    uniform_df = _uniform_table(sc, cached)
+    flops = FlopModel.of(cost.config if isinstance(cost, Profile) else get_config(sc.model))
+    uniform_df = _uniform_table(sc, cached, flops)
+    seq = best_seq1f1b(
+        cost,
+        flops,
+        seq_len=sc.seq_len,
+        batch=sc.pipeline_batch,
+        n_stages=sc.n_stages,
+        granularity=sc.granularity,
+    )
 
     costs: ActionCosts
     if isinstance(cost, ClusterCostModel):
@@ -201,10 +260,12 @@ def explore(scenario: Scenario) -> Exploration:
 
     sim = replay("the DP plan", "terapipe", p)
     best_sim = replay("the best uniform slicing", "terapipe", best_plan)
+    seq_sim = replay("Seq1F1B's slicing", "terapipe", seq)
     gpipe = replay("GPipe", "gpipe", gpipe_plan)
-    memory = gpipe_memory = None
+    memory = gpipe_memory = seq_memory = None
     if isinstance(cost, ClusterCostModel):
         memory, gpipe_memory = cost.memory(p), cost.memory(gpipe_plan)
+        seq_memory = cost.memory(seq)
     return Exploration(
         scenario=sc,
         plan=p,
@@ -219,4 +280,8 @@ def explore(scenario: Scenario) -> Exploration:
         memory=memory,
         gpipe_memory=gpipe_memory,
         notes=tuple(notes),
+        seq1f1b=seq,
+        seq1f1b_predicted=pipeline_latency(seq, cached, sc.n_stages),
+        seq1f1b_sim=seq_sim,
+        seq1f1b_memory=seq_memory,
     )

@@ -1,7 +1,7 @@
 """Draw an :class:`~tplib.explorer.exploration.Exploration` as one figure of three panels.
 
-(a) the predicted latency of every uniform slicing against #slices, the DP plan as a
-line; (b) the DP plan's slice lengths, mostly longer first: a later slice attends to
+(a) the predicted latency of every uniform slicing and of Seq1F1B's equal-FLOP
+slicing against #slices, the DP plan as a line; (b) the DP plan's slice lengths, mostly longer first: a later slice attends to
 more context, so it must be shorter to take as long; (c) the DP plan's simulated
 pipeline timeline (:func:`tplib.tables.timeline.plot_timeline`).
 
@@ -59,6 +59,9 @@ def figure(ex: Exploration) -> Figure:
 
     u = ex.uniform
     ax_u.plot(u["n_slices"], u["predicted"], "o-", color="C0", label="uniform slicing")
+    ax_u.plot(
+        u["n_slices"], u["seq1f1b_predicted"], "s-", color="C2", label="Seq1F1B (equal FLOPs)"
+    )
     ax_u.axhline(ex.predicted, color="C3", ls="--", label=f"DP plan ({ex.predicted:.3g} s)")
     best = ex.best_uniform
     ax_u.plot(
@@ -72,7 +75,7 @@ def figure(ex: Exploration) -> Figure:
     ax_u.set_xscale("log", base=2)
     ax_u.set_xlabel("token slices per sequence (#slices)")
     ax_u.set_ylabel("predicted latency (s)")
-    ax_u.set_title("(a) uniform slicing vs the DP (planner's cost model)")
+    ax_u.set_title("(a) uniform and Seq1F1B slicing vs the DP (planner's cost model)")
     ax_u.legend(fontsize="small")
 
     lengths = _distinct_slicings(ex.plan)

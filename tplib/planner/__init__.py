@@ -8,27 +8,49 @@ baseline :func:`uniform` / :func:`best_uniform`; :func:`plan_slices` is the entr
 
 - :mod:`~tplib.planner.cost_table`: the cost grid the DP reads, and :class:`TableCost`;
 - :mod:`~tplib.planner.dp`: Algorithm 1 vectorised and the ``t_max`` window search;
+- :mod:`~tplib.planner.knapsack`: the joint search (t_max windows x batch split) on a
+  cost grid;
 - :mod:`~tplib.planner.joint`: joint batch x token plans, and :func:`plan_slices`;
+- :mod:`~tplib.planner.memory`: what the memory-aware planner asks of a memory model
+  (:class:`SliceMemory`) and the peak it holds plans to (:func:`peak_bytes`);
+- :mod:`~tplib.planner.memory_joint`: the fastest plan whose peak fits a capacity;
 - :mod:`~tplib.planner.evaluate`: :func:`pipeline_latency` of any plan, the uniform
-  baseline.
+  baseline;
+- :mod:`~tplib.planner.seq1f1b`: Seq1F1B's equal-FLOP slicing, and the DP beside it.
 """
 
 from tplib.planner.cost_table import TableCost, slice_time_table
 from tplib.planner.dp import TokenSlicing, algorithm1, token_dp
 from tplib.planner.evaluate import best_uniform, pipeline_latency, uniform
 from tplib.planner.joint import exact_joint, paper_joint, plan_slices
+from tplib.planner.memory import NothingFitsError, SliceMemory, peak_bytes
+from tplib.planner.seq1f1b import (
+    FlopModel,
+    best_seq1f1b,
+    compare_with_dp,
+    equal_flop_slices,
+    seq1f1b_plan,
+)
 from tplib.sim.costs import SliceCostModel
 
 __all__ = [
+    "FlopModel",
+    "NothingFitsError",
     "SliceCostModel",
+    "SliceMemory",
     "TableCost",
     "TokenSlicing",
     "algorithm1",
+    "best_seq1f1b",
     "best_uniform",
+    "compare_with_dp",
+    "equal_flop_slices",
     "exact_joint",
     "paper_joint",
+    "peak_bytes",
     "pipeline_latency",
     "plan_slices",
+    "seq1f1b_plan",
     "slice_time_table",
     "token_dp",
     "uniform",

@@ -87,10 +87,15 @@ class TokenSlicing:
 # ---- the DP (Algorithm 1), vectorised over many (batch-slice size, t_max) rows ---------
 
 
-def run_dp(ce: np.ndarray, rows_b: np.ndarray, rows_t: np.ndarray) -> tuple[np.ndarray, ...]:
+def run_dp(
+    ce: np.ndarray, rows_b: np.ndarray, rows_t: np.ndarray, values: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
     """Eq. 8 for every row r (batch-slice size rows_b[r], limit rows_t[r]) at once.
     Returns S*(n) (inf if no slicing fits), the max slice time of the chosen slicing, and
-    back-pointers (start of the last slice ending at each i)."""
+    back-pointers (start of the last slice ending at each i). With ``values`` (a grid
+    shaped as ``ce``) the DP sums those instead of the times, still bounding each slice's
+    time by the row's limit: the memory-aware planner's penalised or memory sums."""
+    values = ce if values is None else values
     n, r = ce.shape[1] - 1, len(rows_t)
     rows = np.arange(r)
     S = np.full((r, n + 1), np.inf)
@@ -107,7 +112,9 @@ def run_dp(ce: np.ndarray, rows_b: np.ndarray, rows_t: np.ndarray) -> tuple[np.n
         if lo == i:
             continue
         c = ce[rows_b, i, lo:i]
-        v = np.where(c <= limit, S[:, lo:i] + c, np.inf)
+        v = np.where(
+            c <= limit, S[:, lo:i] + (c if values is ce else values[rows_b, i, lo:i]), np.inf
+        )
         k = v.argmin(axis=1)
         S[:, i] = v[rows, k]
         back[:, i] = lo + k
@@ -165,28 +172,45 @@ def fill_factor(n_stages: int, n_chunks: int = 1) -> float:
 class Search:
     """Branch and bound over t_max windows for one objective (see the module docstring):
     T = S* + ``fill`` * t_max. ``gaps`` are open intervals (a, c) of unevaluated
-    windows; S[W] = 0 is a sentinel."""
+    windows; S[W] = 0 is a sentinel. ``best`` starts at ``incumbent``: only windows that
+    can beat it are searched. ``sum_holds_max``: S* is at least the largest limited value
+    (true of times, and of times plus a non-negative penalty; not of a memory sum limited
+    by other bytes), which lets the bound use T >= (1 + fill) * t_max."""
 
-    def __init__(self, starts: np.ndarray, tops: np.ndarray, fill: float) -> None:
+    def __init__(
+        self,
+        starts: np.ndarray,
+        tops: np.ndarray,
+        fill: float,
+        *,
+        incumbent: float = np.inf,
+        sum_holds_max: bool = True,
+    ) -> None:
         self.starts, self.tops, self.fill = starts, tops, fill
         self.S = np.zeros(len(starts) + 1)
-        self.best = np.inf
+        self.best = incumbent
         self.gaps: list[tuple[int, int]] = [(-1, len(starts))]
         self.s_inf = 0.0  # S* with no limit, a lower bound on every S*
+        self.sum_holds_max = sum_holds_max
 
     def _bound(self, a: int, c: int) -> float:
-        # T >= S*(c) + fill * lo, and T >= (1 + fill) * lo since the sum holds the max.
+        # T >= S*(c) + fill * lo, and T >= (1 + fill) * lo where the sum holds the max.
         lo = self.starts[a + 1]
+        if not self.sum_holds_max:
+            return float(self.S[c] + self.fill * lo)
         return max(self.S[c] + self.fill * lo, (1 + self.fill) * lo)
 
     def probes(self, m: int) -> np.ndarray:
         """Up to about ``m`` windows to evaluate next, spread over the best gaps."""
         w = len(self.starts)
         if self.gaps == [(-1, w)]:
-            return np.array([w - 1])  # the unlimited DP first: it bounds everything else
+            return np.array([w - 1]) if w else np.array([], dtype=np.int64)
+        if not np.isfinite(self.s_inf):  # not even the unlimited DP found a slicing
+            return np.array([], dtype=np.int64)
         lim = self.best - self.s_inf
         cut = np.searchsorted(self.starts, lim / self.fill) if self.fill > 0 else w
-        cut = min(cut, np.searchsorted(self.starts, self.best / (1 + self.fill)))
+        if self.sum_holds_max:
+            cut = min(cut, np.searchsorted(self.starts, self.best / (1 + self.fill)))
         self.gaps = [(a, c) for a, c in self.gaps if a + 1 < cut and self._bound(a, c) < self.best]
         self.gaps.sort(key=lambda g: self._bound(*g))
         per, out = max(1, m // max(1, len(self.gaps))), []

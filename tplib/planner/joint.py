@@ -23,43 +23,13 @@ from typing import Literal
 import numpy as np
 
 from tplib.plan import Plan
-from tplib.planner.dp import (
-    Search,
-    bottleneck,
-    fill_factor,
-    prepare,
-    run_dp,
-    token_search,
-    trace,
-    windows,
-)
+from tplib.planner.dp import fill_factor, prepare, token_search
+from tplib.planner.knapsack import joint_search, knapsack
+from tplib.planner.memory import SliceMemory
+from tplib.planner.memory_joint import fitting_joint
 from tplib.sim.costs import SliceCostModel
 
 __all__ = ["exact_joint", "paper_joint", "plan_slices"]
-
-ROWS = 128  # DP rows per sweep in exact_joint (one row per batch-slice size per probe)
-
-
-def _knapsack(V: np.ndarray, batch: int) -> tuple[np.ndarray, list[list[int]]]:
-    """Per row r: the multiset of batch-slice sizes (column c is size c + 1) summing to
-    ``batch`` with the least total ``V[r]``; returns the totals and sizes (largest first)."""
-    rows = np.arange(len(V))
-    f = np.full((len(V), batch + 1), np.inf)
-    f[:, 0] = 0.0
-    pick = np.zeros((len(V), batch + 1), dtype=np.int64)
-    for x in range(1, batch + 1):
-        h = min(x, V.shape[1])
-        v = f[:, x - 1 - np.arange(h)] + V[:, :h]
-        pick[:, x] = v.argmin(axis=1) + 1
-        f[:, x] = v[rows, pick[:, x] - 1]
-    splits = []
-    for r in rows:
-        x, sizes = batch, []
-        while x > 0 and np.isfinite(f[r, batch]):
-            sizes.append(int(pick[r, x]))
-            x -= sizes[-1]
-        splits.append(sorted(sizes, reverse=True))
-    return f[:, batch], splits
 
 
 def paper_joint(
@@ -78,7 +48,7 @@ def paper_joint(
     fill = fill_factor(n_stages, n_chunks)
     ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
     best = token_search(ce, range(1, bmax + 1), fill, eps, granularity)
-    total, splits = _knapsack(np.array([[best[b].latency for b in range(1, bmax + 1)]]), batch)
+    total, splits = knapsack(np.array([[best[b].latency for b in range(1, bmax + 1)]]), batch)
     sizes = splits[0]
     return Plan(
         tuple(sizes),
@@ -100,33 +70,44 @@ def exact_joint(
     max_batch_slice_size: int | None = None,
     per_batch_slice: Callable[[int], float] | None = None,
     n_chunks: int = 1,
+    memory: SliceMemory | None = None,
+    capacity: float | None = None,
 ) -> Plan:
     """One t_max for all units: per window, S*_b for every b, a knapsack over the batch
     split minimising ``sum S*_{b_d}``, plus ``(K - 1) / v * t_max`` once (v =
     ``n_chunks``): the true latency. ``per_batch_slice(b)``, if given, is added once per
     batch slice of b sequences (a zero-bubble schedule's fused weight gradients,
-    :mod:`tplib.planner.zero_bubble`)."""
+    :mod:`tplib.planner.zero_bubble`). With a ``memory`` model and a ``capacity`` in
+    bytes, the fastest plan whose peak fits, or a feasible one where that is out of the
+    DP's reach (:func:`~tplib.planner.memory_joint.fitting_joint` says which); raises
+    :class:`~tplib.planner.memory.NothingFitsError` when none fits."""
+    if (memory is None) != (capacity is None):
+        raise ValueError(
+            f"memory={memory!r}, capacity={capacity!r}: give both (a memory model and the "
+            "bytes it must fit in) or neither"
+        )
+    if memory is not None and capacity is not None:
+        return fitting_joint(
+            cost,
+            memory,
+            capacity,
+            seq_len=seq_len,
+            batch=batch,
+            n_stages=n_stages,
+            granularity=granularity,
+            eps=eps,
+            max_batch_slice_size=max_batch_slice_size,
+            per_batch_slice=per_batch_slice,
+            n_chunks=n_chunks,
+        )
     fill = fill_factor(n_stages, n_chunks)
     ce, bmax = prepare(cost, seq_len, batch, n_stages, granularity, eps, max_batch_slice_size)
-    bs = np.arange(1, bmax + 1)
-    extra = np.array([0.0 if per_batch_slice is None else per_batch_slice(int(b)) for b in bs])
-    starts, tops = windows(np.unique(ce[1:][np.isfinite(ce[1:])]), eps)
-    floor = bottleneck(ce, bs).min()
-    search = Search(starts[tops >= floor], tops[tops >= floor], fill)
-    result = None
-    while len(p := search.probes(max(1, ROWS // bmax))):
-        S, M, back = run_dp(ce, np.tile(bs, len(p)), np.repeat(search.tops[p], bmax))
-        S, M = S.reshape(len(p), bmax), M.reshape(len(p), bmax)
-        total, splits = _knapsack(S + extra, batch)
-        peak = np.array(
-            [max((M[r, b - 1] for b in s), default=np.inf) for r, s in enumerate(splits)]
-        )
-        k = search.report(p, total, total + fill * peak)
-        if k >= 0:
-            ts = tuple(trace(back[k * bmax + b - 1], granularity) for b in splits[k])
-            result = (splits[k], ts, float(total[k] + fill * peak[k]), peak[k])
-    assert result is not None  # the unlimited window always yields a plan
-    return Plan(tuple(result[0]), result[1], result[2], float(result[3]), eps)
+    extra = np.array(
+        [0.0 if per_batch_slice is None else per_batch_slice(b) for b in range(1, bmax + 1)]
+    )
+    found = joint_search(ce, batch=batch, fill=fill, eps=eps, granularity=granularity, extra=extra)
+    assert found is not None  # every slice is allowed: the unlimited window yields a plan
+    return Plan(found.sizes, found.slicings, found.objective, found.t_max, eps)
 
 
 def plan_slices(
@@ -140,16 +121,37 @@ def plan_slices(
     method: Literal["exact", "paper"] = "exact",
     max_batch_slice_size: int | None = None,
     n_chunks: int = 1,
+    memory: SliceMemory | None = None,
+    capacity: float | None = None,
 ) -> Plan:
     """The planner's entry point: ``exact_joint`` (default) or the paper's ``paper_joint``.
     ``Plan.latency`` is the chosen objective's prediction; batch slices never exceed
     ``max_batch_slice_size`` nor the cost model's own ``max_batch_slice_size``.
     ``n_chunks``: v, for ``terapipe-interleaved`` with v chunks per stage (``cost`` then
-    prices a stage's v chunks, each with its messages)."""
+    prices a stage's v chunks, each with its messages). ``memory`` and ``capacity``
+    (bytes): only plans whose peak fits (``exact`` only; see :func:`exact_joint`)."""
     methods = {"exact": exact_joint, "paper": paper_joint}
     if method not in methods:
         raise ValueError(f"method={method!r}: choose 'exact' or 'paper'")
-    return methods[method](
+    if method == "exact":
+        return exact_joint(
+            cost,
+            seq_len=seq_len,
+            batch=batch,
+            n_stages=n_stages,
+            granularity=granularity,
+            eps=eps,
+            max_batch_slice_size=max_batch_slice_size,
+            n_chunks=n_chunks,
+            memory=memory,
+            capacity=capacity,
+        )
+    if memory is not None or capacity is not None:
+        raise ValueError(
+            "method='paper' with a memory limit: the memory-aware planner minimises the "
+            "true fill-drain latency; use method='exact'"
+        )
+    return paper_joint(
         cost,
         seq_len=seq_len,
         batch=batch,
