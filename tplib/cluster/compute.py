@@ -20,6 +20,9 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
   over NVLink, a ring (:func:`~tplib.sim.costs.ring_allreduce`) plus ``collective_latency``.
 
+With context parallelism (``n_cp``, :mod:`tplib.cluster.context_parallel`) a GPU runs all
+of this on 1 / #CP of the slice's tokens and context, and 1 / #CP of its causal attention.
+
 :func:`embedding_times` and :func:`head_times` price the two ends of the model the
 same way, for the planners that partition the whole chain (:mod:`tplib.partition`).
 

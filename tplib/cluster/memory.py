@@ -57,6 +57,7 @@ __all__ = [
     "MemoryEstimate",
     "activation_rates",
     "end_params",
+    "logit_bytes",
     "memory_per_gpu",
     "peak_in_flight",
     "schedule_memory_per_gpu",
@@ -120,6 +121,12 @@ def activation_rates(
         rep /= n_op
     kept = 0.0 if recompute == "selective" else _SCORE_KEPT[impl.attention]
     return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * kept
+
+
+def logit_bytes(cfg: GPTConfig, n_op: int) -> float:
+    """Bytes the loss keeps per token on one GPU of the last stage, with the model's ends:
+    its vocabulary-parallel share of the fp16 logits and their fp32 softmax."""
+    return padded_vocab(cfg.vocab_size, n_op) / n_op * _LOGIT_KEPT
 
 
 def state_bytes(params: float, impl: Implementation = PAPER, n_data: int = 1) -> float:
@@ -240,7 +247,7 @@ def stage_memory_on_cluster(
     held = held_versions(schedule)[stage] if versions is None else versions
     states = state_bytes(params, impl, n_data * n_cp) + (held - 1) * FP16 * params
     per_token, score_bytes = activation_rates(cfg, n_op, impl, recompute)
-    logit_bytes = padded_vocab(cfg.vocab_size, n_op) / n_op * _LOGIT_KEPT if impl.ends else 0.0
+    kept_per_logit_token = logit_bytes(cfg, n_op) if impl.ends else 0.0
 
     def tokens(u: Unit) -> float:  # on one GPU: 1 / #CP of the unit's
         return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t] / n_cp
@@ -250,7 +257,7 @@ def stage_memory_on_cluster(
         return layers * (tokens(u) * per_token + tokens(u) * end * score_bytes)
 
     def logits(a: Action) -> float:
-        return tokens(a.unit) * logit_bytes if schedule.part(a) == last_part else 0.0
+        return tokens(a.unit) * kept_per_logit_token if schedule.part(a) == last_part else 0.0
 
     def checkpoint(a: Action) -> float:
         kept = float(tokens(a.unit) * cfg.hidden * FP16)

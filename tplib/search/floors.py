@@ -26,14 +26,25 @@ Both come from the cost model alone:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from tplib.cluster import Calibration, ClusterCostModel
 from tplib.cluster.hardware import FP16
 from tplib.cluster.implementation import PAPER, Implementation
-from tplib.cluster.memory import STATE_BYTES, activation_rates, state_bytes
+from tplib.cluster.memory import (
+    STATE_BYTES,
+    activation_rates,
+    end_params,
+    logit_bytes,
+    state_bytes,
+)
 from tplib.nn.configs import GPTConfig, n_params_per_layer
+from tplib.schedule.chunks import identity
 from tplib.search.pricing import TOKEN_SCHEDULES, Layout
 
-__all__ = ["latency_floor", "layer_work", "memory_floor"]
+__all__ = ["latency_floor", "layer_work", "memory_floor", "stage_seconds"]
 
 
 def _held(layout: Layout, pipeline_batch: int) -> int:
@@ -46,6 +57,19 @@ def _held(layout: Layout, pipeline_batch: int) -> int:
     return min(layout.n_stages, pipeline_batch // layout.microbatch) * layout.microbatch
 
 
+def _activations(
+    cfg: GPTConfig, layout: Layout, impl: Implementation, tokens: float, seq_len: int
+) -> float:
+    """The least bytes a stage's layers keep for ``tokens`` tokens of whole sequences."""
+    layers = cfg.n_layer // layout.n_stages
+    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl, layout.recompute)
+    if layout.recompute == "full":
+        acts: float = tokens * cfg.hidden * FP16
+        acts /= layout.n_op if impl.sequence_parallel else 1
+        return acts * (layers if impl.layer_checkpoints else 1)
+    return layers * (tokens * per_token + tokens * seq_len / 2 * score_bytes)
+
+
 def memory_floor(
     cfg: GPTConfig,
     layout: Layout,
@@ -54,21 +78,34 @@ def memory_floor(
     cal: Calibration,
     impl: Implementation = PAPER,
 ) -> float:
-    """The least memory per GPU any plan of ``layout`` needs (see the module docstring)."""
-    layers = cfg.n_layer // layout.n_stages
+    """The least memory per GPU any plan of ``layout`` needs (see the module docstring):
+    with the model's ends, the larger of the first stage's and the last's, the first
+    with the embedding, the last with its copy and the logits of what it keeps."""
+    layers, op, k = cfg.n_layer // layout.n_stages, layout.n_op, layout.n_stages
+    params = layers * n_params_per_layer(cfg) / op
+    shards = layout.n_data * layout.n_cp
     if impl.distributed_optimizer:
-        params = layers * n_params_per_layer(cfg) / layout.n_op
-        states = state_bytes(params, impl, layout.n_data * layout.n_cp)
+        states = state_bytes(params, impl, shards)
     else:
-        states = STATE_BYTES * layers * n_params_per_layer(cfg) / layout.n_op
-    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl, layout.recompute)
+        states = STATE_BYTES * layers * n_params_per_layer(cfg) / op
     tokens = _held(layout, pipeline_batch) * seq_len / layout.n_cp
-    if layout.recompute == "full":
-        acts: float = tokens * cfg.hidden * FP16
-        acts /= layout.n_op if impl.sequence_parallel else 1
-    else:
-        acts = layers * (tokens * per_token + tokens * seq_len / 2 * score_bytes)
-    return states + acts + cal.memory_reserve
+    floor = states + _activations(cfg, layout, impl, tokens, seq_len) + cal.memory_reserve
+    if not impl.ends:
+        return floor
+    placement = identity(k)
+
+    def ends(stage: int) -> float:  # the end parameters' states on ``stage``
+        more = params + end_params(cfg, op, stage, placement)
+        return state_bytes(more, impl, shards) - state_bytes(params, impl, shards)
+
+    if k == 1:
+        return floor + ends(0) + tokens * logit_bytes(cfg, op)
+    # The last stage holds its units briefly: one microbatch under 1F1B, all under
+    # fill-drain.
+    held = pipeline_batch if layout.schedule in TOKEN_SCHEDULES else layout.microbatch
+    last = held * seq_len / layout.n_cp
+    last_floor = states + _activations(cfg, layout, impl, last, seq_len) + cal.memory_reserve
+    return max(floor + ends(0), last_floor + ends(k - 1) + last * logit_bytes(cfg, op))
 
 
 def layer_work(cost: ClusterCostModel, batch: int, length: int) -> float:
@@ -90,12 +127,22 @@ def layer_work(cost: ClusterCostModel, batch: int, length: int) -> float:
     )
 
 
+def stage_seconds(cost: ClusterCostModel, size: int, slices: Sequence[int], layers: int) -> float:
+    """The cost model's forward and backward seconds (recomputation in) of ``layers``
+    layers of one stage for a batch slice of ``size`` sequences cut into ``slices``."""
+    lengths = np.asarray(slices, dtype=float)
+    fwd, bwd = cost.stage_times(size, lengths, np.cumsum(lengths) - lengths, layers)
+    return float((fwd + bwd).sum())
+
+
 def latency_floor(
-    cost: ClusterCostModel, pipeline_batch: int, unit: tuple[int, int] | None = None
+    cost: ClusterCostModel,
+    pipeline_batch: int,
+    unit: tuple[int, Sequence[int]] | None = None,
 ) -> float:
     """The least simulated latency any plan of ``cost``'s layout has (module docstring);
-    ``unit``: the (sequences, tokens) of the first unit, where every plan starts with it
-    and ends with its like (a microbatch, a sequence's first token slice)."""
+    ``unit``: (sequences, token slices) of every batch slice, where the plan is made of
+    such alike (microbatches, each perhaps cut into token slices)."""
     cal, hw = cost.cal, cost.hw
     peak = cal.gemm_efficiency * hw.peak_fp16
     work = layer_work(cost, pipeline_batch, cost.seq_len)
@@ -103,7 +150,13 @@ def latency_floor(
     floor = cost.layers_per_chunk * cost.host_floor * (1 + cal.backward_floor)
     if cost.recompute == "full":
         floor += cost.layers_per_chunk * cost.host_floor
+    stage = cost.layers_per_stage
     if unit is not None:
-        floor = max(floor, cost.layers_per_chunk * layer_work(cost, *unit) / peak / cost.n_cp)
+        size, slices = unit
+        total = pipeline_batch // size * stage_seconds(cost, size, slices, stage)
+        compute = max(compute, total)
+        floor = max(floor, stage_seconds(cost, size, slices[:1], cost.layers_per_chunk))
+    elif cost.impl.attention == "flash":
+        compute = max(compute, stage_seconds(cost, pipeline_batch, [cost.seq_len], stage))
     fill = (cost.n_stages - 1) * (floor + 2 * cal.intra_node_latency)
     return compute + fill + cost.allreduce(0) + cost.optimizer(0)

@@ -289,7 +289,7 @@ def autoplan(
         slices[lay] = token_slices_of(cfg, lay, L, grid, slicing)
         unit = None
         if lay.schedule in MICROBATCH_SCHEDULES:
-            unit = (lay.microbatch, (slices[lay] or (L,))[0])
+            unit = (lay.microbatch, slices[lay] or (L,))
         floors[lay] = latency_floor(costs[lay], batch // lay.n_data, unit)
     out: list[Candidate] = []
     best: float = math.inf
