@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from tplib.cluster import ClusterCostModel
+from tplib.cluster import DGX_H100, ClusterCostModel
+from tplib.cluster.calibration import DGX_H100_CALIBRATION
 from tplib.nn.configs import GPTConfig, get_config
 from tplib.partition import DoesNotFit
 from tplib.planner import plan_slices
+from tplib.schedule.chunks import interleaved
 from tplib.search.layout import Layout, autoplan
 from tplib.search.long_context import LONG_CONTEXT
 from tplib.search.megatron import MegatronRun, predict
+from tplib.search.pricing import price
 from tplib.sim.simulate import simulate_schedule
 
 CASES = [("GPT3-1B", 32, 16, 1024), ("GPT3-1B", 16, 8, 1024), ("GPT3-13B", 64, 8, 1024)]
@@ -125,6 +129,38 @@ def test_context_parallel_layouts_win_at_long_length_and_the_search_stays_exact(
         if not math.isnan(c.latency):
             assert (c.latency, c.memory) == pytest.approx((p.iteration_s, p.memory_gib * 2**30))
         assert p.memory_gib > 16 or p.iteration_s >= search.best.latency * (1 - 1e-12)
+
+
+def test_pruning_stays_exact_with_cp_rounds_and_token_slices() -> None:
+    """TeraPipe in rounds, split backwards and 1F1B over token slices, every #CP: each
+    candidate the floors left unplanned, priced now, does not fit or is no faster."""
+    cfg = LONG.with_(n_layer=2, seq_len=16384)
+
+    def halves(cfg: GPTConfig, seq_len: int, n: int, grid: int) -> list[int]:
+        return [seq_len // n] * n
+
+    search = autoplan(
+        cfg, 8, 4, seq_len=16384, cluster="dgx-h100", memory_gib=6,
+        implementation=LONG_CONTEXT.implementation, schedules=("terapipe", "seq1f1b"),
+        context_parallel=None, granularity=1024, slicing=halves, accumulate=True,
+    )  # fmt: skip
+    assert {c.layout.rounds for c in search.candidates} >= {1, 2, 4}
+    for c in search.candidates:
+        if not math.isnan(c.latency):
+            continue
+        lay = c.layout
+        impl = LONG_CONTEXT.implementation
+        impl = impl if lay.n_op > 1 else dataclasses.replace(impl, sequence_parallel=False)
+        cost = ClusterCostModel(
+            cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, n_cp=lay.n_cp,
+            calibration=DGX_H100_CALIBRATION, hardware=DGX_H100, recompute=lay.recompute,
+            implementation=impl,
+        ).placed(interleaved(lay.n_stages, lay.n_chunks))  # fmt: skip
+        grid = math.lcm(1024, 2 * lay.n_cp)
+        cut = tuple(halves(cfg, 16384, lay.n_slices, grid)) if lay.n_slices > 1 else None
+        got = price(lay, cost, 4 // lay.n_data, eps=1e-4, grid=grid, slices=cut)
+        assert got.memory > 6 * 2**30 or got.latency >= search.best.latency
+        assert got.memory >= c.memory and got.latency >= c.latency_floor  # the floors
 
 
 @pytest.mark.parametrize(

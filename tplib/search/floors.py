@@ -51,7 +51,7 @@ def _held(layout: Layout, pipeline_batch: int) -> int:
     """The fewest sequences whose activations the first stage keeps at once: all under
     fill-drain, min(K, M) microbatches under 1F1B, a whole sequence's under Seq1F1B."""
     if layout.schedule in TOKEN_SCHEDULES:
-        return pipeline_batch
+        return pipeline_batch // layout.rounds
     if layout.schedule == "seq1f1b":
         return layout.microbatch
     return min(layout.n_stages, pipeline_batch // layout.microbatch) * layout.microbatch
@@ -102,7 +102,8 @@ def memory_floor(
         return floor + ends(0) + tokens * logit_bytes(cfg, op)
     # The last stage holds its units briefly: one microbatch under 1F1B, all under
     # fill-drain.
-    held = pipeline_batch if layout.schedule in TOKEN_SCHEDULES else layout.microbatch
+    fill_drain = layout.schedule in TOKEN_SCHEDULES
+    held = pipeline_batch // layout.rounds if fill_drain else layout.microbatch
     last = held * seq_len / layout.n_cp
     last_floor = states + _activations(cfg, layout, impl, last, seq_len) + cal.memory_reserve
     return max(floor + ends(0), last_floor + ends(k - 1) + last * logit_bytes(cfg, op))
@@ -139,10 +140,12 @@ def latency_floor(
     cost: ClusterCostModel,
     pipeline_batch: int,
     unit: tuple[int, Sequence[int]] | None = None,
+    rounds: int = 1,
 ) -> float:
     """The least simulated latency any plan of ``cost``'s layout has (module docstring);
     ``unit``: (sequences, token slices) of every batch slice, where the plan is made of
-    such alike (microbatches, each perhaps cut into token slices)."""
+    such alike (microbatches, each perhaps cut into token slices); ``rounds``: fill-drain
+    rounds, each filling and draining the pipeline once."""
     cal, hw = cost.cal, cost.hw
     peak = cal.gemm_efficiency * hw.peak_fp16
     work = layer_work(cost, pipeline_batch, cost.seq_len)
@@ -158,5 +161,5 @@ def latency_floor(
         floor = max(floor, stage_seconds(cost, size, slices[:1], cost.layers_per_chunk))
     elif cost.impl.attention == "flash":
         compute = max(compute, stage_seconds(cost, pipeline_batch, [cost.seq_len], stage))
-    fill = (cost.n_stages - 1) * (floor + 2 * cal.intra_node_latency)
+    fill = (cost.n_stages - 1) * (floor + 2 * cal.intra_node_latency) * rounds
     return compute + fill + cost.allreduce(0) + cost.optimizer(0)

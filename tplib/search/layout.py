@@ -20,8 +20,9 @@ divides the GPUs, with L a multiple of 2 #CP, FlashAttention only; a replica is 
 #CP x #Pipe x #Op GPUs) and other schedules (``schedules``, priced by
 :mod:`tplib.search.pricing`): ``terapipe-zb`` (the zero-bubble planner's plan), and 1F1B
 over microbatches of 1, 2, 4 or 8 sequences, interleaved over v chunks per stage, or over
-token slices cut by a slicing (``seq1f1b``, Seq1F1B's). Each schedule is a candidate of
-its own, its choices in its :class:`Layout`. The defaults search what the paper did.
+token slices cut by a slicing (``seq1f1b``, Seq1F1B's), and (``accumulate``) TeraPipe's
+plans in rounds of gradient accumulation. Each schedule is a candidate of its own, its
+choices in its :class:`Layout`. The defaults search what the paper did.
 
 Pruning keeps the search exact and fast: before planning a candidate, a memory floor
 and a latency floor are computed from the cost model alone
@@ -64,6 +65,7 @@ __all__ = [
     "SEARCHED_SCHEDULES",
     "Candidate",
     "Layout",
+    "NoLayout",
     "Search",
     "autoplan",
     "latency_floor",
@@ -74,6 +76,10 @@ EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
 # The recomputation modes searched unless asked: the paper's two. Selective
 # recomputation is priced too (tplib.cluster.implementation.RECOMPUTES) when asked for.
 SEARCHED_RECOMPUTE = ("none", "full")
+
+
+class NoLayout(ValueError):
+    """No layout the search may price takes the model, GPUs, batch and schedules asked."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,7 @@ def autoplan(
     granularity: int = GRANULARITY,
     slicing: Slicing | None = None,
     hardware: Hardware | None = None,
+    accumulate: bool = False,
 ) -> Search:
     """The fastest layout of ``model`` on ``n_gpus`` GPUs of ``cluster`` for a global
     batch of ``batch`` sequences that fits in memory (``memory_gib`` per GPU overrides
@@ -217,9 +224,12 @@ def autoplan(
     :data:`SEARCHED_SCHEDULES` to try; ``context_parallel``: the #CP values (None: every
     one that can run); ``granularity``: the planner's token grid (a multiple of 2 #CP
     too where #CP > 1); ``slicing``: Seq1F1B's (default: the one registered as
-    ``"seq1f1b"`` in :data:`~tplib.search.pricing.SLICINGS`). Raises ``ValueError`` for
-    input no layout can take, and :class:`~tplib.partition.chain.DoesNotFit` when none
-    fits, naming the closest."""
+    ``"seq1f1b"`` in :data:`~tplib.search.pricing.SLICINGS`); ``accumulate``: TeraPipe's
+    plans also in 2, 4, ... fill-drain rounds of gradient accumulation. Under
+    FlashAttention selective recomputation costs and keeps what none does, so it is
+    searched only where none is not. Raises ``ValueError`` for input no layout can take
+    (:class:`NoLayout` where the model, GPUs, batch and schedules admit none), and
+    :class:`~tplib.partition.chain.DoesNotFit` when none fits, naming the closest."""
     cfg = get_config(model) if isinstance(model, str) else model
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster={cluster!r}: known clusters are {sorted(CLUSTERS)}")
@@ -251,7 +261,10 @@ def autoplan(
             "schedule 'seq1f1b' needs its slicing: pass slicing= or register one as "
             "'seq1f1b' (tplib.search.pricing.register_slicing)"
         )
-    cps = _cp_choices(context_parallel, n_gpus, L, implementation.attention == "flash")
+    flash = implementation.attention == "flash"
+    cps = _cp_choices(context_parallel, n_gpus, L, flash)
+    if flash and "none" in recompute:  # the same prices: see the docstring
+        recompute = tuple(m for m in recompute if m != "selective")
     start = time.perf_counter()
     found: list[Layout] = []
     for cp in cps:
@@ -260,13 +273,14 @@ def autoplan(
         for d, k, op in layouts(cfg, n_gpus, batch, hw, n_cp=cp):
             for rc in recompute:
                 base = Layout(d, k, op, rc, n_cp=cp)
-                found += variants(base, names, batch // d, cfg.n_layer // k)
+                found += variants(base, names, batch // d, cfg.n_layer // k, accumulate)
     if not found:
-        raise ValueError(
+        raise NoLayout(
             f"no layout of {cfg.name} on n_gpus={n_gpus} with batch={batch}: #Data x #Pipe x "
             f"#Op must equal the GPUs, #Pipe divide the {cfg.n_layer} layers, #Op divide "
             f"the {hw.gpus_per_node} GPUs of a node and the {cfg.n_head} heads, and #Data "
-            "divide the batch"
+            f"divide the batch; schedules {schedules} ask more (interleaving v > 1 "
+            "dividing a stage's layers, Megatron's microbatches a multiple of #Pipe)"
         )
     impls = {
         op: replace(implementation, sequence_parallel=False)
@@ -290,7 +304,7 @@ def autoplan(
         unit = None
         if lay.schedule in MICROBATCH_SCHEDULES:
             unit = (lay.microbatch, slices[lay] or (L,))
-        floors[lay] = latency_floor(costs[lay], batch // lay.n_data, unit)
+        floors[lay] = latency_floor(costs[lay], batch // lay.n_data, unit, lay.rounds)
     out: list[Candidate] = []
     best: float = math.inf
     for lay in sorted(found, key=floors.__getitem__):

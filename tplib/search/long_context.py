@@ -13,7 +13,8 @@ method                 what is searched
 ``cp``                 both, with every #CP that can run (1 included: where CP does not
                        pay, its best is the best layout without it, as in NeMo's table)
 ``seq1f1b``            1F1B over token slices, Seq1F1B's slicing (see below)
-``terapipe``           TeraPipe: the DP planner's batch x token plan, fill-drain
+``terapipe``           TeraPipe: the DP planner's batch x token plan, fill-drain, in 1, 2,
+                       4, ... rounds of gradient accumulation
 ``terapipe-zb``        the same with split backwards (the zero-bubble planner's plan)
 ``terapipe-cp``        ``terapipe`` with every #CP that can run
 =====================  ==================================================================
@@ -25,7 +26,8 @@ the end stages, one checkpoint per layer under full recomputation). A layout fit
 the memory model (:mod:`tplib.cluster.memory`) puts its busiest GPU within the budget,
 the GPU's memory less nothing: the calibration's ``memory_reserve`` is counted inside.
 
-The answer (:class:`LongContextResult`) has the layout, the iteration time, tokens per
+The answer (:class:`LongContextResult`) has the layout (TeraPipe's ``slicing`` is one
+round's plan, its ``rounds`` how many run before the update), the iteration time, tokens per
 second per GPU, MFU (Narayanan et al. 2021's model FLOPs,
 :func:`~tplib.search.megatron.model_flops`; context parallelism changes no FLOP) and
 peak memory per GPU, or, when nothing fits, the reason and the closest layout's memory.
@@ -51,7 +53,7 @@ from tplib.cluster.hardware import DGX_H100
 from tplib.cluster.implementation import Implementation, Platform
 from tplib.nn.configs import GPTConfig, get_config
 from tplib.partition.chain import DoesNotFit
-from tplib.search.layout import Candidate, autoplan
+from tplib.search.layout import Candidate, NoLayout, autoplan
 from tplib.search.megatron import model_flops
 from tplib.search.pricing import SLICINGS, Slicing
 
@@ -121,6 +123,7 @@ class LongContextResult:
     dp: int | None = None
     v: int | None = None
     microbatch: int | None = None
+    rounds: int | None = None
     recompute: str = ""
     schedule: str = ""
     slicing: str = ""
@@ -175,8 +178,8 @@ def best_layout(
     name in :data:`MODELS` or :data:`tplib.nn.configs.MODELS`) on ``n_gpus`` GPUs of
     ``platform`` (under ``calibration``, default its nodes'), a global batch of
     ``batch`` sequences or ``batch_tokens`` tokens of ``seq_len``, within ``memory_gib``
-    per GPU (default the GPU's); see the module docstring. Raises ``ValueError`` for
-    input no layout can take."""
+    per GPU (default the GPU's); see the module docstring. Where nothing fits or no
+    layout can run the method the result says why; ``ValueError`` for a bad request."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: choose one of {list(METHODS)}")
     cfg = _model(model)
@@ -206,9 +209,12 @@ def best_layout(
             context_parallel=cps,
             granularity=max(8, seq_len // GRID_STEPS),
             slicing=slicing,
+            accumulate=True,
         )
     except DoesNotFit as e:
         return replace(head, reason=str(e), memory_gib=e.memory / 2**30)
+    except NoLayout as e:  # the method cannot run this model on these GPUs at all
+        return replace(head, reason=str(e))
     return _result(head, search.best, cfg, hw.peak_fp16, search.seconds)
 
 
@@ -226,6 +232,7 @@ def _result(
         dp=lay.n_data,
         v=lay.n_chunks,
         microbatch=lay.microbatch,
+        rounds=lay.rounds,
         recompute=lay.recompute,
         schedule=lay.schedule,
         slicing=best.plan,

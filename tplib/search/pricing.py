@@ -6,7 +6,12 @@ The layout search (:func:`tplib.search.layout.autoplan`) and the long-context st
 
 - ``terapipe`` and ``terapipe-zb``: the DP planner's joint batch x token plan (the
   zero-bubble objective for the second, :func:`~tplib.planner.zero_bubble.plan_zero_bubble`),
-  fill-drain, so a stage keeps the whole minibatch (:meth:`ClusterCostModel.memory`);
+  fill-drain, so a stage keeps the whole minibatch (:meth:`ClusterCostModel.memory`).
+  With gradient accumulation (``rounds`` A > 1) the pipeline batch runs as A fill-drain
+  rounds of B / A sequences and one update: a round is planned and simulated, and A of
+  them take A times its span up to its update, plus the update (stage 0 ends every
+  fill-drain round: its last backward is the round's last; tests check this against
+  the rounds simulated one after the other);
 - ``1f1b`` and ``interleaved-1f1b`` over microbatches, and ``seq1f1b``: 1F1B over token
   slices, every sequence cut alike by a :data:`Slicing` (Seq1F1B's equal-FLOP slicing,
   plugged in through :func:`register_slicing` or passed by the caller). Their memory is
@@ -94,18 +99,20 @@ class Layout:
     n_chunks: int = 1
     microbatch: int = 1
     n_slices: int = 1
+    rounds: int = 1
 
     def __str__(self) -> str:
         rc = {"full": ", recompute", "selective": ", selective recompute"}.get(self.recompute, "")
         cp = f" x #CP={self.n_cp}" if self.n_cp > 1 else ""
         text = f"#Data={self.n_data}{cp} x #Pipe={self.n_stages} x #Op={self.n_op}{rc}"
-        if self.schedule == "terapipe":
+        if self.schedule == "terapipe" and self.rounds == 1:
             return text
         if self.schedule in MICROBATCH_SCHEDULES:
             v = f" v={self.n_chunks}" if self.n_chunks > 1 else ""
             cut = f" x {self.n_slices} slices" if self.n_slices > 1 else ""
             return f"{text}, {self.schedule}{v} m={self.microbatch}{cut}"
-        return f"{text}, {self.schedule}"
+        rounds = f" in {self.rounds} rounds" if self.rounds > 1 else ""
+        return f"{text}, {self.schedule}{rounds}"
 
 
 @dataclass(frozen=True)
@@ -144,9 +151,18 @@ def price_terapipe(
     *,
     granularity: int,
     eps: float,
+    rounds: int = 1,
 ) -> Priced:
     """``terapipe`` (the DP planner's plan) or ``terapipe-zb`` (the zero-bubble planner's)
-    of ``pipeline_batch`` sequences on ``cost``'s layout."""
+    of ``pipeline_batch`` sequences on ``cost``'s layout, in ``rounds`` fill-drain rounds
+    (gradient accumulation; see the module docstring)."""
+    if rounds > 1:
+        one = price_terapipe(
+            cost, schedule, pipeline_batch // rounds, granularity=granularity, eps=eps
+        )
+        update = cost.allreduce(0) + cost.optimizer(0)
+        latency = rounds * (one.latency - update) + update
+        return Priced(latency, one.memory, one.plan, one.plan_seconds)
     t0 = time.perf_counter()
     plan_with = plan_zero_bubble if schedule == "terapipe-zb" else plan_slices
     plan = plan_with(
@@ -204,12 +220,23 @@ def price_microbatches(
 
 
 def variants(
-    base: Layout, schedules: tuple[str, ...], pipeline_batch: int, layers: int
+    base: Layout,
+    schedules: tuple[str, ...],
+    pipeline_batch: int,
+    layers: int,
+    accumulate: bool = False,
 ) -> Iterator[Layout]:
-    """Every schedule of ``schedules`` on ``base`` with each of its choices."""
+    """Every schedule of ``schedules`` on ``base`` with each of its choices; TeraPipe's in
+    1, 2, 4, ... rounds with ``accumulate``. Seq1F1B and interleaving need two stages or
+    more (with one, they are 1F1B)."""
     for name in schedules:
         if name in TOKEN_SCHEDULES:
-            yield replace(base, schedule=name)
+            counts = [2**i for i in range(pipeline_batch.bit_length()) if accumulate or i == 0]
+            yield from (
+                replace(base, schedule=name, rounds=a) for a in counts if pipeline_batch % a == 0
+            )
+            continue
+        if base.n_stages == 1 and name != "1f1b":
             continue
         mbs = [m for m in MICROBATCHES if pipeline_batch % m == 0]
         if name == "1f1b":
@@ -218,7 +245,7 @@ def variants(
             for m in mbs:
                 yield from (replace(base, schedule=name, microbatch=m, n_slices=n)
                             for n in SEQ_SLICES)  # fmt: skip
-        elif base.n_stages > 1:  # interleaved: Megatron's M a multiple of K
+        else:  # interleaved: Megatron's M a multiple of K
             for v in range(2, min(layers, MAX_CHUNKS) + 1):
                 yield from (
                     replace(base, schedule=name, n_chunks=v, microbatch=m)
@@ -256,7 +283,9 @@ def price(
     for the schedule's chunks): planned on the token ``grid`` with ``eps``, or over
     microbatches, cut into ``slices`` under ``seq1f1b``."""
     if lay.schedule in TOKEN_SCHEDULES:
-        return price_terapipe(cost, lay.schedule, pipeline_batch, granularity=grid, eps=eps)
+        return price_terapipe(
+            cost, lay.schedule, pipeline_batch, granularity=grid, eps=eps, rounds=lay.rounds
+        )
     return price_microbatches(
         cost, lay.schedule, pipeline_batch, lay.microbatch, n_chunks=lay.n_chunks,
         token_slices=slices,
