@@ -21,19 +21,19 @@ _ARGS = [
 def test_json_has_the_issues_fields_and_equals_the_library(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main([*_ARGS, "--json"]) == 0
+    assert main([*_ARGS, "--cp", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("iteration_s", "tflops_per_gpu", "mfu", "memory_gib", "fits"):
         assert key in out
     run = MegatronRun(
-        cluster="dgx-h100", gpus=64, layers=16, hidden=2048, heads=16, tp=4, pp=4,
+        cluster="dgx-h100", gpus=64, layers=16, hidden=2048, heads=16, tp=4, pp=4, cp=2,
         interleave=2, batch=64, microbatch=1, recompute="selective",
         sequence_parallel=True, distributed_optimizer=True,
     )  # fmt: skip
     p = predict(run)
     assert out["iteration_s"] == pytest.approx(p.iteration_s)
     assert out["mfu"] == pytest.approx(p.mfu)
-    assert out["n_data"] == 4 and out["schedule"] == "interleaved-1f1b"
+    assert out["n_data"] == 2 and out["cp"] == 2 and out["schedule"] == "interleaved-1f1b"
     assert out["attention"] == "flash"
 
 

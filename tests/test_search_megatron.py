@@ -106,6 +106,10 @@ def test_the_runs_choices_move_the_prediction_the_right_way() -> None:
         ({"interleave": 2, "batch": 40}, "a multiple of pp=4 microbatches"),
         ({"cluster": "p3.16xlarge", "attention": "flash"}, "its GPUs do not run it"),
         ({"schedule": "zbv"}, "schedule='zbv'"),
+        ({"cp": 3}, "gpus=16 is not a multiple of tp x cp x pp = 24"),
+        ({"cp": 3, "gpus": 48}, "tp x cp = 6 must divide the 8 GPUs of a node"),
+        ({"cp": 2, "seq_len": 254}, "seq_len=254 is not divisible by 2 x cp = 4"),
+        ({"cp": 2, "attention": "fused-softmax"}, "ring attention over FlashAttention"),
     ],
 )
 def test_bad_runs_are_refused_naming_the_rule(changes: dict[str, object], rule: str) -> None:

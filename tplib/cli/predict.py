@@ -2,7 +2,7 @@
 
 ``python -m tplib predict --cluster dgx-h100 --gpus 512 --layers 96 --hidden 12288
 --heads 96 --tp 8 --pp 8 --interleave 4 --batch 1536 --microbatch 1 --recompute selective
---sequence-parallel --distributed-optimizer`` prints the iteration time, TFLOPS per GPU
+--sequence-parallel --distributed-optimizer`` (``--cp`` for context parallelism) prints the iteration time, TFLOPS per GPU
 and MFU (Narayanan et al. 2021's FLOP formula, stated in the output), the busiest GPU's
 memory and whether it fits; ``--json`` gives the same as one JSON object
 (``iteration_s``, ``tflops_per_gpu``, ``mfu``, ``memory_gib``, ``fits`` and more). The
@@ -39,6 +39,7 @@ def add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--seq-len", type=COUNT, default=2048, help="s (default 2048)")
     p.add_argument("--tp", type=COUNT, default=1, help="T, tensor parallel (#Op)")
     p.add_argument("--pp", type=COUNT, default=1, help="P, pipeline stages (#Pipe)")
+    p.add_argument("--cp", type=COUNT, default=1, help="C, context parallel (#CP)")
     p.add_argument("--batch", type=COUNT, required=True, help="B, global batch")
     p.add_argument("--microbatch", type=COUNT, default=1, help="m (default 1)")
     p.add_argument("--interleave", type=COUNT, default=1, help="v chunks per stage")
@@ -65,6 +66,7 @@ def predict_command(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         tp=args.tp,
         pp=args.pp,
+        cp=args.cp,
         microbatch=args.microbatch,
         interleave=args.interleave,
         recompute=args.recompute,
@@ -81,7 +83,9 @@ def predict_command(args: argparse.Namespace) -> int:
         return 0
     counted = _FORMULA[run.recompute == "full"]
     print(
-        f"{run.cluster}: {run.gpus} GPUs, T={run.tp} P={run.pp} #Data={run.n_data}"
+        f"{run.cluster}: {run.gpus} GPUs, T={run.tp}"
+        + (f" C={run.cp}" if run.cp > 1 else "")
+        + f" P={run.pp} #Data={run.n_data}"
         + (f" v={run.interleave}" if run.interleave > 1 else "")
         + f"; {run.microbatches} microbatches of {run.microbatch} per pipeline; "
         f"{run.schedule_name}, attention {run.implementation.attention}, "

@@ -13,6 +13,8 @@ package, one mechanism per module:
 - :mod:`~tplib.cluster.layout`: the rules of a layout (:func:`check_layout`) and where
   its GPUs sit;
 - :mod:`~tplib.cluster.compute`: what one layer costs on one GPU;
+- :mod:`~tplib.cluster.context_parallel`: what ring attention adds under context
+  parallelism (#CP);
 - :mod:`~tplib.cluster.links`: what the messages cost (pipeline sends, the data-parallel
   reduction);
 - :mod:`~tplib.cluster.cost`: :class:`ClusterCostModel`, stages on top;

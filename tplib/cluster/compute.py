@@ -20,6 +20,9 @@ an #Op group (the paper's implementation, appendix B: PyTorch + Megatron-LM, fp1
 * Megatron (#Op > 1): 2 forward and 2 backward all-reduces of b s H fp16 values per layer
   over NVLink, a ring (:func:`~tplib.sim.costs.ring_allreduce`) plus ``collective_latency``.
 
+With context parallelism (``n_cp``, :mod:`tplib.cluster.context_parallel`) a GPU runs all
+of this on 1 / #CP of the slice's tokens and context, and 1 / #CP of its causal attention.
+
 :func:`embedding_times` and :func:`head_times` price the two ends of the model the
 same way, for the planners that partition the whole chain (:mod:`tplib.partition`).
 
@@ -33,7 +36,12 @@ import numpy as np
 
 from tplib.cluster.calibration import Calibration
 from tplib.cluster.hardware import FP16, FP32, Hardware
-from tplib.cluster.implementation import ATTENTION_SCORE_BYTES, PAPER, Implementation
+from tplib.cluster.implementation import (
+    ATTENTION_SCORE_BYTES,
+    PAPER,
+    Implementation,
+    check_context_parallel,
+)
 from tplib.nn.configs import GPTConfig, n_params_per_layer
 from tplib.sim.costs import ring_allreduce
 
@@ -108,14 +116,19 @@ def layer_times(
     cal: Calibration,
     hw: Hardware,
     impl: Implementation = PAPER,
+    n_cp: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """GPU seconds of one layer's (forward, backward) for a slice, on one GPU of an
     ``n_op`` group, in implementation ``impl`` (its attention and sequence parallelism:
-    :mod:`tplib.cluster.implementation`)."""
+    :mod:`tplib.cluster.implementation`). With ``n_cp`` context-parallel ranks the GPU
+    holds 1 / #CP of the slice's tokens and of its context and does 1 / #CP of its
+    causal attention (:mod:`tplib.cluster.context_parallel`; the ring's exchanges are
+    the cost model's)."""
+    check_context_parallel(n_cp, impl.attention)
     h, heads, hbm = cfg.hidden, cfg.n_head // n_op, hbm_rate(cal, hw)
     s, c = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
     b = batch_slice_size
-    tokens, keys = b * s, c + s
+    tokens, keys = b * s / n_cp, c + s
 
     def gemm(
         m: float | np.ndarray, n: float | np.ndarray, k: float | np.ndarray, batch: float = 1.0
@@ -133,6 +146,7 @@ def layer_times(
     score_seconds: tuple[float | np.ndarray, float | np.ndarray] = (0.0, 0.0)
     if impl.attention == "flash":
         attn, attn_bwd = flash_times(pairs, dh, s, c, cal=cal, hw=hw)
+        attn, attn_bwd = attn / n_cp, attn_bwd / n_cp  # balanced: see context_parallel
     else:
         attn, *scored = _written_attention(cfg, pairs, s, keys, impl, cal=cal, hw=hw)
         attn_bwd, score_seconds = 2 * attn, (scored[0], scored[1])
@@ -146,7 +160,7 @@ def layer_times(
     fwd = fwd_gemm + attn + score_seconds[0] + elementwise + megatron
     params = n_params_per_layer(cfg) / n_op
     accumulate = 3 * FP16 * params / hbm  # w.grad += dW per slice
-    kv_grad = 3 * 2 * FP16 * b * c * h / n_op / hbm  # context grads += update
+    kv_grad = 3 * 2 * FP16 * b * c / n_cp * h / n_op / hbm  # context grads += update
     bwd = bwd_gemm + attn_bwd + score_seconds[1] + 2 * elementwise + megatron + accumulate + kv_grad
     return fwd, bwd
 

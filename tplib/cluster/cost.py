@@ -29,6 +29,13 @@ each. A chunk computes its own layers, broadcasts in its #Op group only what cam
 another stage, and sends to the stage of the neighbouring part, across the wrap from
 stage K-1 to stage 0 too (off the node unless the replica fits in one). ``slice_time``
 holds all of a stage's chunks, each with its messages; the update, all N / K layers.
+
+Context parallelism (``n_cp``, #CP; :mod:`tplib.cluster.context_parallel`): each stage's
+GPU computes 1 / #CP of every slice's tokens and of its causal attention, and each layer
+adds what its ring attention's exchanges do not hide; the messages between stages, the
+gradient reduction over #Data x #CP and the distributed optimizer's shards follow
+(:mod:`tplib.cluster.links`), and so does the memory (:mod:`tplib.cluster.memory`).
+With ``n_cp=1`` every price is what it was without it, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,8 +53,14 @@ from tplib.cluster.compute import (
     layer_times,
     layer_wgrad_time,
 )
+from tplib.cluster.context_parallel import ring_times
 from tplib.cluster.hardware import FP16, P3_16XLARGE, Hardware
-from tplib.cluster.implementation import PAPER, Implementation, check_recompute
+from tplib.cluster.implementation import (
+    PAPER,
+    Implementation,
+    check_context_parallel,
+    check_recompute,
+)
 from tplib.cluster.layout import check_layout
 from tplib.cluster.links import LayoutLinks
 from tplib.cluster.memory import MemoryEstimate, memory_per_gpu
@@ -56,7 +69,7 @@ from tplib.paper import Setting
 from tplib.plan import Plan
 from tplib.schedule import SENDS, Action, Kind, covered_slices
 from tplib.schedule.chunks import Placement
-from tplib.sim.costs import Parts, memo, unit_shape
+from tplib.sim.costs import Link, Parts, memo, unit_shape
 
 __all__ = ["ClusterCostModel"]
 
@@ -75,7 +88,8 @@ class ClusterCostModel(LayoutLinks):
     virtual stages (:meth:`placed`; None: one part per stage); ``hardware`` and
     ``calibration`` the cluster's; ``implementation`` what the training code does;
     ``overlap_unit``: the (batch slice size, length) of the last backward the gradient
-    reduction overlaps (with ``implementation.overlap_grad_reduce``).
+    reduction overlaps (with ``implementation.overlap_grad_reduce``); ``n_cp`` (#CP) the
+    context-parallel ranks of each stage (FlashAttention only).
     """
 
     max_batch_slice_size: int | None = None  # analytic: it prices any batch slice
@@ -95,8 +109,10 @@ class ClusterCostModel(LayoutLinks):
         placement: Placement | None = None,
         implementation: Implementation = PAPER,
         overlap_unit: tuple[int, int] | None = None,
+        n_cp: int = 1,
     ) -> None:
         check_recompute(recompute)
+        check_context_parallel(n_cp, implementation.attention)
         if implementation.sequence_parallel and n_op == 1:
             raise ValueError(
                 "sequence_parallel with n_op=1: sequence parallelism splits the #Op group's "
@@ -105,8 +121,10 @@ class ClusterCostModel(LayoutLinks):
         self.recompute, self.impl, self.overlap_unit = recompute, implementation, overlap_unit
         self.cfg = get_config(model) if isinstance(model, str) else model
         self.seq_len = seq_len or self.cfg.seq_len
-        check_layout(self.cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware)
-        self.n_stages, self.n_op, self.n_data = n_stages, n_op, n_data
+        check_layout(
+            self.cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware, n_cp=n_cp
+        )
+        self.n_stages, self.n_op, self.n_data, self.n_cp = n_stages, n_op, n_data, n_cp
         self.layers_per_stage = self.cfg.n_layer // n_stages
         self.cal, self.hw = calibration, hardware
         self.blocking_sends = calibration.comm != "async"
@@ -158,8 +176,9 @@ class ClusterCostModel(LayoutLinks):
 
     def __repr__(self) -> str:
         chunks = f", v={self.parts.n_chunks}" if self.parts.n_chunks > 1 else ""
+        cp = f", #CP={self.n_cp}" if self.n_cp > 1 else ""
         return (
-            f"ClusterCostModel({self.cfg.name}, K={self.n_stages}, #Op={self.n_op}, "
+            f"ClusterCostModel({self.cfg.name}, K={self.n_stages}, #Op={self.n_op}{cp}, "
             f"#Data={self.n_data}, L={self.seq_len}{chunks})"
         )
 
@@ -168,8 +187,10 @@ class ClusterCostModel(LayoutLinks):
     def layer_times(
         self, batch_slice_size: int, length: np.ndarray, context: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """GPU seconds of one layer's (forward, backward) for a slice, on one GPU."""
-        return layer_times(
+        """GPU seconds of one layer's (forward, backward) for a slice, on one GPU; with
+        #CP, its share and what the ring's exchanges add
+        (:func:`~tplib.cluster.context_parallel.ring_times`)."""
+        fwd, bwd = layer_times(
             self.cfg,
             self.n_op,
             batch_slice_size,
@@ -178,7 +199,20 @@ class ClusterCostModel(LayoutLinks):
             cal=self.cal,
             hw=self.hw,
             impl=self.impl,
+            n_cp=self.n_cp,
         )
+        if self.n_cp == 1:
+            return fwd, bwd
+        ring_fwd, ring_bwd = ring_times(
+            self.cfg, self.n_op, self.n_cp, batch_slice_size, length, context, self._ring,
+            cal=self.cal, hw=self.hw,
+        )  # fmt: skip
+        return fwd + ring_fwd, bwd + ring_bwd
+
+    @cached_property
+    def _ring(self) -> Link:
+        """The ring attention's link (:meth:`~tplib.cluster.links.LayoutLinks.cp_ring`)."""
+        return self.cp_ring()
 
     @cached_property
     def host_floor(self) -> float:
@@ -258,7 +292,7 @@ class ClusterCostModel(LayoutLinks):
     ) -> np.ndarray:
         """Seconds of one stage's (or ``layers``') weight gradients over ``batch_slice_size``
         x ``length`` tokens at once (:class:`~tplib.planner.zero_bubble.WeightGradModel`)."""
-        tokens = batch_slice_size * np.asarray(length, dtype=float)
+        tokens = batch_slice_size * np.asarray(length, dtype=float) / self.n_cp
         t = layer_wgrad_time(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)
         return (self.layers_per_stage if layers is None else layers) * t
 
@@ -290,8 +324,9 @@ class ClusterCostModel(LayoutLinks):
         if receives:
             nbytes = np.array([FP16 * size * length * self.cfg.hidden])
             t += float(self._op_broadcast(nbytes)[0])
-        # The model's ends (``ends``: 1 the first part, 2 the last, 3 both).
-        tokens, at = size * length, 0 if kind is Kind.F else 1
+        # The model's ends (``ends``: 1 the first part, 2 the last, 3 both), on the GPU's
+        # 1 / #CP of the tokens.
+        tokens, at = size * length / self.n_cp, 0 if kind is Kind.F else 1
         if ends & 1:
             t += embedding_times(self.cfg, self.n_op, tokens, cal=self.cal, hw=self.hw)[at]
         if ends & 2:
@@ -327,10 +362,10 @@ class ClusterCostModel(LayoutLinks):
 
     def optimizer(self, stage: int) -> float:
         """Mixed-precision Adam step over the stage's parameters (with the distributed
-        optimizer, over its 1 / #Data shard of them): memory-bound."""
+        optimizer, over its 1 / (#Data x #CP) shard of them): memory-bound."""
         params = self.stage_params(stage)
         if self.impl.distributed_optimizer:
-            params /= self.n_data
+            params /= self.n_data * self.n_cp
         return OPTIMIZER_BYTES * params / self._hbm
 
     # ---- memory ----------------------------------------------------------------------
@@ -347,4 +382,5 @@ class ClusterCostModel(LayoutLinks):
             recompute=self.recompute,
             implementation=self.impl,
             n_data=self.n_data,
+            n_cp=self.n_cp,
         )

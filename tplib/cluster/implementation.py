@@ -47,6 +47,7 @@ __all__ = [
     "RECOMPUTES",
     "Attention",
     "Implementation",
+    "check_context_parallel",
     "check_recompute",
 ]
 
@@ -59,6 +60,18 @@ def check_recompute(mode: str) -> None:
     """Raise ``ValueError`` unless the cluster model prices recomputation ``mode``."""
     if mode not in RECOMPUTES:
         raise ValueError(f"recompute={mode!r} is not a recompute mode: choose one of {RECOMPUTES}")
+
+
+def check_context_parallel(n_cp: int, attention: str) -> None:
+    """Raise ``ValueError`` unless ``n_cp`` context-parallel ranks can run ring attention
+    (:mod:`tplib.cluster.context_parallel`) with ``attention``."""
+    if isinstance(n_cp, bool) or not isinstance(n_cp, int) or n_cp < 1:
+        raise ValueError(f"n_cp={n_cp!r}: #CP must be a whole number of ranks, at least 1")
+    if n_cp > 1 and attention != "flash":
+        raise ValueError(
+            f"n_cp={n_cp} with attention={attention!r}: context parallelism runs ring "
+            "attention over FlashAttention kernels; use attention='flash'"
+        )
 
 
 Attention = Literal["unfused", "fused-softmax", "flash"]

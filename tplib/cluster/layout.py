@@ -14,6 +14,11 @@ With virtual stages the activations also wrap from stage K-1 back to stage 0, wh
 leaves the node whenever the replica spans more than one.
 Replicas of a stage sit on different nodes, so the data-parallel all-reduce crosses the
 network.
+
+Context parallelism (#CP, :mod:`tplib.cluster.context_parallel`) gives each stage #Op x
+#CP GPUs, in Megatron-LM's rank order: op innermost, then the CP rank, then stage, then
+replica. The #Op x #CP GPUs of a stage fill a share of one node or whole nodes, so
+the ring of a CP group stays on NVLink exactly when #Op x #CP fits in a node.
 """
 
 from __future__ import annotations
@@ -25,11 +30,17 @@ __all__ = ["check_layout", "gpu_rank", "send_ranks"]
 
 
 def check_layout(
-    cfg: GPTConfig, *, n_stages: int, n_op: int, n_data: int, hardware: Hardware = P3_16XLARGE
+    cfg: GPTConfig,
+    *,
+    n_stages: int,
+    n_op: int,
+    n_data: int,
+    hardware: Hardware = P3_16XLARGE,
+    n_cp: int = 1,
 ) -> None:
     """Raise ``ValueError`` naming the value and the rule unless ``cfg`` runs on
-    ``n_stages`` equal stages, each partitioned over ``n_op`` GPUs of one node, in
-    ``n_data`` replicas."""
+    ``n_stages`` equal stages, each partitioned over ``n_op`` GPUs of one node and
+    ``n_cp`` context-parallel ranks, in ``n_data`` replicas."""
     if n_stages < 1 or cfg.n_layer % n_stages:
         raise ValueError(
             f"n_stages={n_stages} does not divide {cfg.name}'s {cfg.n_layer} layers: the "
@@ -43,16 +54,34 @@ def check_layout(
         )
     if n_data < 1:
         raise ValueError(f"n_data={n_data}: need at least one data-parallel replica")
+    group = n_op * n_cp
+    if n_cp < 1 or (group % g and g % group):
+        raise ValueError(
+            f"n_cp={n_cp}: #Op x #CP = {group} GPUs must fill a share of a node or whole "
+            f"nodes of {g} GPUs (a stage's GPUs sit together in Megatron's rank order)"
+        )
 
 
-def gpu_rank(stage: int, op_rank: int = 0, replica: int = 0, *, n_stages: int, n_op: int) -> int:
-    """Global rank of a GPU under the paper's rank order (op, then stage, then replica)."""
-    return (replica * n_stages + stage) * n_op + op_rank
+def gpu_rank(
+    stage: int,
+    op_rank: int = 0,
+    replica: int = 0,
+    *,
+    n_stages: int,
+    n_op: int,
+    cp_rank: int = 0,
+    n_cp: int = 1,
+) -> int:
+    """Global rank of a GPU under the paper's rank order (op, then stage, then replica),
+    with context parallelism Megatron-LM's (op, then CP rank, then stage, then replica)."""
+    return ((replica * n_stages + stage) * n_cp + cp_rank) * n_op + op_rank
 
 
 def send_ranks(src: int, dst: int, n_op: int, forward: bool | None = None) -> tuple[int, int]:
     """Ranks (in replica 0) of the GPUs that carry a send from stage ``src`` to stage
-    ``dst``: the last GPU of the sender to the first of the receiver for an activation
+    ``dst`` when each stage has ``n_op`` GPUs (with #CP: pass #Op x #CP, whose every GPU
+    sends its share to its peer, as far from it as these two are): the last GPU of the
+    sender to the first of the receiver for an activation
     (``forward``), the first GPU of the sender to the last of the receiver for a
     gradient. ``forward`` defaults to ``dst > src``, the direction between adjacent
     stages; with virtual stages the activation that wraps from the last stage back to

@@ -22,9 +22,18 @@ The node designs of :mod:`tplib.cluster.hardware` differ here:
 
 GPUs are numbered in the paper's rank order (:func:`~tplib.cluster.layout.gpu_rank`:
 #Op, then stage, then replica), so an #Op group shares a node.
+
+Context parallelism (#CP; :mod:`tplib.cluster.context_parallel`): a stage's GPUs are #Op x
+#CP (op, then CP rank). Each CP rank sends its 1 / #CP of a message between stages to its
+peer at once, on its own rail or NVLink (:attr:`LayoutLinks._split`), and broadcasts in
+its #Op group only its share; the gradients are reduced over #Data x #CP GPUs, as
+Megatron folds the CP group into the data-parallel one; :meth:`LayoutLinks.cp_ring` is
+the link the ring attention's exchanges run on.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -35,7 +44,7 @@ from tplib.cluster.implementation import Implementation
 from tplib.cluster.layout import gpu_rank, send_ranks
 from tplib.cluster.memory import end_params
 from tplib.nn.configs import GPTConfig, n_params_per_layer
-from tplib.sim.costs import Parts, ring_allreduce
+from tplib.sim.costs import Link, Parts, ring_allreduce
 
 __all__ = ["ALLREDUCE_COPY_BYTES", "LayoutLinks"]
 
@@ -54,6 +63,7 @@ class LayoutLinks:
     n_stages: int
     n_op: int
     n_data: int
+    n_cp: int
     layers_per_stage: int
     cal: Calibration
     hw: Hardware
@@ -103,9 +113,10 @@ class LayoutLinks:
     @property
     def _split(self) -> int:
         """Into how many parts a message between stages is split, each sent by one GPU
-        of the #Op group: #Op with scatter-gather or sequence parallelism, else 1."""
+        of the stage: #Op with scatter-gather or sequence parallelism, else 1, times #CP
+        (each CP rank sends its own tokens)."""
         impl = self.impl
-        return self.n_op if impl.scatter_gather or impl.sequence_parallel else 1
+        return (self.n_op if impl.scatter_gather or impl.sequence_parallel else 1) * self.n_cp
 
     @property
     def params_per_layer(self) -> float:
@@ -117,7 +128,9 @@ class LayoutLinks:
     def _op_broadcast(self, nbytes: np.ndarray) -> np.ndarray:
         """Seconds the #Op group spends making what one stage received whole on every
         GPU: a broadcast of it, an all-gather of the scattered parts, or nothing under
-        sequence parallelism (each GPU goes on with its own shard)."""
+        sequence parallelism (each GPU goes on with its own shard). With #CP each #Op
+        group makes whole only its CP rank's 1 / #CP of the message."""
+        nbytes = nbytes / self.n_cp
         if self.n_op == 1 or self.impl.sequence_parallel:
             return np.zeros_like(nbytes)
         if self.impl.scatter_gather:
@@ -125,15 +138,24 @@ class LayoutLinks:
             return gather + self.cal.collective_latency
         return nbytes / self._nvlink_bus + self.cal.collective_latency
 
-    def node_of(self, stage: int, op_rank: int = 0, replica: int = 0) -> int:
-        """Node of a GPU under the paper's rank order (op, then stage, then replica)."""
-        rank = gpu_rank(stage, op_rank, replica, n_stages=self.n_stages, n_op=self.n_op)
+    def node_of(self, stage: int, op_rank: int = 0, replica: int = 0, cp_rank: int = 0) -> int:
+        """Node of a GPU under the paper's rank order (op, then stage, then replica;
+        with #CP, Megatron's: op, then CP rank, then stage, then replica)."""
+        rank = gpu_rank(
+            stage,
+            op_rank,
+            replica,
+            n_stages=self.n_stages,
+            n_op=self.n_op,
+            cp_rank=cp_rank,
+            n_cp=self.n_cp,
+        )
         return rank // self.hw.gpus_per_node
 
     def crosses_nodes(self, src: int, dst: int, forward: bool | None = None) -> bool:
         """Whether a send from stage ``src`` to stage ``dst`` leaves the node (``forward``:
         an activation; default ``dst > src``, see :func:`~tplib.cluster.layout.send_ranks`)."""
-        a, b = send_ranks(src, dst, self.n_op, forward)
+        a, b = send_ranks(src, dst, self.n_op * self.n_cp, forward)
         return a // self.hw.gpus_per_node != b // self.hw.gpus_per_node
 
     def p2p(self, src: int, dst: int, nbytes: Bytes, forward: bool | None = None) -> np.ndarray:
@@ -146,7 +168,7 @@ class LayoutLinks:
             net = self.cal.network_efficiency * self.hw.network / self.hw.nics_per_node
             wire = nbytes / self._split if self.rails else nbytes
             return wire / net + self.cal.inter_node_latency + self.staging(nbytes, receiving=False)
-        a, b = send_ranks(src, dst, self.n_op, forward)
+        a, b = send_ranks(src, dst, self.n_op * self.n_cp, forward)
         g = self.hw.gpus_per_node
         return nbytes / self._split / self._intra_p2p(a % g, b % g) + self.cal.intra_node_latency
 
@@ -184,6 +206,27 @@ class LayoutLinks:
                 total = total + self._op_broadcast(nbytes)
         return total
 
+    # ---- the context-parallel ring -------------------------------------------------------
+
+    def cp_ring(self) -> Link:
+        """The link of the context-parallel ring's exchanges: its slowest hop. Inside a
+        node the pair's NVLinks (all of them through NVSwitch); between nodes one rail per
+        GPU, or on a p3.16xlarge the node's port shared by the #Op rings, staged through
+        host memory. Every GPU sends at once, so the slowest hop paces each step. With
+        one CP rank there is no ring: an infinitely fast link."""
+        g, n_op, n_cp = self.hw.gpus_per_node, self.n_op, self.n_cp
+        if n_cp == 1:
+            return Link(math.inf, 0.0)
+        ranks = [c * n_op for c in range(n_cp)]  # op rank 0 of each CP rank, stage 0
+        hops = list(zip(ranks, ranks[1:] + ranks[:1], strict=True))
+        if any(a // g != b // g for a, b in hops):
+            net = self.cal.network_efficiency * self.hw.network / self.hw.nics_per_node
+            first_slot = self.staging(np.array(math.inf), receiving=False)
+            latency = self.cal.inter_node_latency + float(first_slot)
+            return Link(net if self.rails else net / n_op, latency)
+        bandwidth = min(self._intra_p2p(a % g, b % g) for a, b in hops)
+        return Link(bandwidth, self.cal.intra_node_latency)
+
     # ---- the data-parallel reduction ----------------------------------------------------
 
     def stage_params(self, stage: int = 0) -> float:
@@ -203,18 +246,24 @@ class LayoutLinks:
 
     def allreduce(self, stage: int) -> float:
         """Data-parallel ring all-reduce of the stage's fp16 gradients over #Data
-        replicas (with the distributed optimizer: a reduce-scatter of the gradients and
-        an all-gather of the weights, the same volume): over NVLink when they all share
-        a node, else over the network, whose link the 8 GPUs of a p3.16xlarge share and
-        whose rails a DGX's GPUs each have."""
-        n = self.n_data
+        replicas times #CP ranks (with the distributed optimizer: a reduce-scatter of
+        the gradients and an all-gather of the weights, the same volume): over NVLink
+        when they all share a node, else over the network, whose link the 8 GPUs of a
+        p3.16xlarge share and whose rails a DGX's GPUs each have."""
+        n = self.n_data * self.n_cp
         if n == 1:
             return 0.0
         params = self.stage_params(stage)
         grads = FP16 * params
         # One node only if every replica of the stage sits in it; a ring that leaves the
         # node is held to the network, whose link the node's GPUs share.
-        nodes = len({self.node_of(stage, replica=r) for r in range(n)})
+        nodes = len(
+            {
+                self.node_of(stage, replica=r, cp_rank=c)
+                for r in range(self.n_data)
+                for c in range(self.n_cp)
+            }
+        )
         if nodes == 1:
             wire = ring_allreduce(grads, n, self._nvlink_bus, self.cal.collective_latency)
         elif self.rails:

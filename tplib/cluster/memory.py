@@ -23,6 +23,11 @@ from the chunk's forward to its backward, and keeps that chunk's N / (vK) layers
 activations. Interleaved 1F1B holds more chunk-units than 1F1B holds units (stage 0:
 vK + K - 1 at its peak against K) but each is 1/v of a stage: 1 + (K - 1) / (vK) times
 1F1B's activations, Megatron's figure, read off the schedule rather than assumed.
+
+Context parallelism (``n_cp``, #CP; :mod:`tplib.cluster.context_parallel`): a GPU keeps
+1 / #CP of every unit's activations (its K/V share among them) and, while a layer's
+backward runs, the ring's blocks in flight (``contexts``); the distributed optimizer
+shards over #Data x #CP. With ``n_cp=1`` every estimate is what it was without it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tplib.cluster.calibration import CALIBRATION, Calibration
+from tplib.cluster.context_parallel import ring_buffer_bytes
 from tplib.cluster.hardware import FP16, FP32, P3_16XLARGE, Hardware
 from tplib.cluster.implementation import PAPER, Implementation, check_recompute
 from tplib.nn.configs import (
@@ -44,12 +50,14 @@ from tplib.nn.configs import (
 from tplib.plan import Plan, Unit
 from tplib.schedule import Action, Kind, Schedule
 from tplib.schedule.asynchronous import held_versions
+from tplib.schedule.chunks import identity
 
 __all__ = [
     "STATE_BYTES",
     "MemoryEstimate",
     "activation_rates",
     "end_params",
+    "logit_bytes",
     "memory_per_gpu",
     "peak_in_flight",
     "schedule_memory_per_gpu",
@@ -77,7 +85,7 @@ _LOGIT_KEPT = FP16 + FP32
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per GPU: weights and optimizer state, stored activations, K/V context
-    buffers, reserve."""
+    buffers (the ring attention's blocks in flight), reserve."""
 
     states: float
     activations: float
@@ -115,6 +123,12 @@ def activation_rates(
     return cfg.hidden * FP16 * (rep + part / n_op), cfg.n_head / n_op * kept
 
 
+def logit_bytes(cfg: GPTConfig, n_op: int) -> float:
+    """Bytes the loss keeps per token on one GPU of the last stage, with the model's ends:
+    its vocabulary-parallel share of the fp16 logits and their fp32 softmax."""
+    return padded_vocab(cfg.vocab_size, n_op) / n_op * _LOGIT_KEPT
+
+
 def state_bytes(params: float, impl: Implementation = PAPER, n_data: int = 1) -> float:
     """Bytes of weights and optimizer state for ``params`` parameters: :data:`STATE_BYTES`
     each, or with the distributed optimizer the fp16 weights and gradients and the fp32
@@ -135,28 +149,52 @@ def memory_per_gpu(
     recompute: str = "none",
     implementation: Implementation = PAPER,
     n_data: int = 1,
+    n_cp: int = 1,
 ) -> MemoryEstimate:
     """Memory of one GPU of a stage: mixed-precision states (:func:`state_bytes`) and the
     activations of the whole minibatch (see the module docstring), of the N layers only.
     With ``recompute="full"`` a stage keeps only each unit's input (fp16 hidden states)
-    and rebuilds one unit's activations at a time inside its backward."""
+    and rebuilds one unit's activations at a time inside its backward. With the
+    implementation's ``ends`` the busier of the first stage (the embedding) and the
+    last (a copy of it and every unit's logits); with ``layer_checkpoints`` full
+    recomputation keeps each layer's input and rebuilds one layer at a time."""
     check_recompute(recompute)
+    impl = implementation
     cfg = get_config(model) if isinstance(model, str) else model
     layers_per_stage = cfg.n_layer // n_stages
     params = layers_per_stage * n_params_per_layer(cfg) / n_op
-    states = state_bytes(params, implementation, n_data)
-    per_token, score_bytes = activation_rates(cfg, n_op, implementation, recompute)
-    units = []  # (tokens, attention scores) of each unit
+    per_token, score_bytes = activation_rates(cfg, n_op, impl, recompute)
+    units = []  # (tokens, attention scores) of each unit on one GPU
+    ring = 0.0
     for size, slices in zip(plan.batch_slices, plan.token_slices, strict=True):
         s = np.asarray(slices, dtype=float)
-        units += [(size * a, size * a * c) for a, c in zip(s, np.cumsum(s), strict=True)]
+        ends = np.cumsum(s)
+        units += [(size * a / n_cp, size * a * c / n_cp) for a, c in zip(s, ends, strict=True)]
+        ring = max(ring, ring_buffer_bytes(cfg, n_op, n_cp, size, float(ends[-1])))
     if recompute == "full":
-        inputs = plan.batch * plan.seq_len * cfg.hidden * FP16
+        span = layers_per_stage if impl.layer_checkpoints else 1
+        inputs = plan.batch * plan.seq_len * cfg.hidden * FP16 / n_cp * span
+        inputs /= n_op if impl.sequence_parallel else 1
         rebuilt = max(layers_per_stage * (t * per_token + sc * score_bytes) for t, sc in units)
-        acts = inputs + rebuilt
+        acts = inputs + rebuilt / span
     else:
         acts = layers_per_stage * sum(t * per_token + sc * score_bytes for t, sc in units)
-    return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
+    if not impl.ends:
+        states = state_bytes(params, impl, n_data * n_cp)
+        return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory, ring)
+    logits = plan.batch * plan.seq_len / n_cp * padded_vocab(cfg.vocab_size, n_op) / n_op
+    ends_of = identity(n_stages)
+    estimates = [
+        MemoryEstimate(
+            state_bytes(params + end_params(cfg, n_op, k, ends_of), impl, n_data * n_cp),
+            acts + (logits * _LOGIT_KEPT if k == n_stages - 1 else 0.0),
+            calibration.memory_reserve,
+            hardware.gpu_memory,
+            ring,
+        )
+        for k in sorted({0, n_stages - 1})
+    ]
+    return max(estimates, key=lambda m: m.total)
 
 
 def end_params(cfg: GPTConfig, n_op: int, stage: int, placement: Sequence[int]) -> float:
@@ -183,6 +221,7 @@ def stage_memory_on_cluster(
     hardware: Hardware = P3_16XLARGE,
     implementation: Implementation = PAPER,
     n_data: int = 1,
+    n_cp: int = 1,
 ) -> MemoryEstimate:
     """Memory of one GPU of ``stage`` running ``schedule`` in the paper's implementation
     (see the module docstring). ``versions``: the weight versions it holds at once
@@ -194,7 +233,8 @@ def stage_memory_on_cluster(
     implementation's ``layer_checkpoints``) and its activations are rebuilt, one unit
     at a time, inside its backward. With the model's ``ends`` the first and last stages
     also hold the word embedding (the first the positions too) and the last keeps each
-    unit's logits until its backward."""
+    unit's logits until its backward. With ``n_cp`` context-parallel ranks every unit's
+    bytes are 1 / #CP and the ring's blocks in flight are added."""
     check_recompute(recompute)
     impl = implementation
     cfg = get_config(model) if isinstance(model, str) else model
@@ -205,19 +245,19 @@ def stage_memory_on_cluster(
         params += end_params(cfg, n_op, stage, schedule.placement)
     layers = cfg.n_layer // schedule.n_parts  # what one chunk's units keep activations of
     held = held_versions(schedule)[stage] if versions is None else versions
-    states = state_bytes(params, impl, n_data) + (held - 1) * FP16 * params
+    states = state_bytes(params, impl, n_data * n_cp) + (held - 1) * FP16 * params
     per_token, score_bytes = activation_rates(cfg, n_op, impl, recompute)
-    logit_bytes = padded_vocab(cfg.vocab_size, n_op) / n_op * _LOGIT_KEPT if impl.ends else 0.0
+    kept_per_logit_token = logit_bytes(cfg, n_op) if impl.ends else 0.0
 
-    def tokens(u: Unit) -> int:
-        return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t]
+    def tokens(u: Unit) -> float:  # on one GPU: 1 / #CP of the unit's
+        return plan.batch_slices[u.b] * plan.token_slices[u.b][u.t] / n_cp
 
     def full(u: Unit) -> float:  # everything the unit keeps on the stage's layers
         end = plan.token_offset(u.b, u.t) + plan.token_slices[u.b][u.t]
         return layers * (tokens(u) * per_token + tokens(u) * end * score_bytes)
 
     def logits(a: Action) -> float:
-        return tokens(a.unit) * logit_bytes if schedule.part(a) == last_part else 0.0
+        return tokens(a.unit) * kept_per_logit_token if schedule.part(a) == last_part else 0.0
 
     def checkpoint(a: Action) -> float:
         kept = float(tokens(a.unit) * cfg.hidden * FP16)
@@ -233,7 +273,8 @@ def stage_memory_on_cluster(
         acts = peak_in_flight(actions, kept=lambda a: full(a.unit) + logits(a))
     else:
         acts = peak_in_flight(actions, kept=lambda a: full(a.unit))
-    return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory)
+    ring = max(ring_buffer_bytes(cfg, n_op, n_cp, size, plan.seq_len) for size in plan.batch_slices)
+    return MemoryEstimate(states, acts, calibration.memory_reserve, hardware.gpu_memory, ring)
 
 
 def schedule_memory_per_gpu(
@@ -248,6 +289,7 @@ def schedule_memory_per_gpu(
     implementation: Implementation = PAPER,
     n_data: int = 1,
     stages: Sequence[int] | None = None,
+    n_cp: int = 1,
 ) -> tuple[MemoryEstimate, int]:
     """The GPU that needs the most memory running ``schedule``, and its stage: the
     largest :func:`stage_memory_on_cluster` over the stages (or over ``stages`` only;
@@ -266,6 +308,7 @@ def schedule_memory_per_gpu(
             hardware=hardware,
             implementation=implementation,
             n_data=n_data,
+            n_cp=n_cp,
         )
         for k in which
     }

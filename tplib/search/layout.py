@@ -1,4 +1,5 @@
-"""TeraPipe's whole layout, searched: #Data, #Pipe, #Op, recomputation and the plan.
+"""TeraPipe's whole layout, searched: #Data, #CP, #Pipe, #Op, recomputation, the schedule
+and the plan.
 
 The paper chose Table 1's layouts by hand ("the maximal batch size that fits"). Given a
 model, a GPU count, a global batch B and a cluster, :func:`autoplan` searches every
@@ -14,20 +15,20 @@ GPU (:func:`~tplib.cluster.memory.memory_per_gpu`) and simulates the iteration
 (:func:`tplib.sim.simulate.simulate_schedule`, the ``terapipe`` schedule with the all-reduce and
 the optimizer step). The answer is the fitting candidate of least simulated latency.
 
-Pruning keeps the search exact and fast. Before planning a candidate two floors are
-computed from the cost model alone:
+Beyond the paper, on request: context parallelism (``context_parallel``: each #CP that
+divides the GPUs, with L a multiple of 2 #CP, FlashAttention only; a replica is then
+#CP x #Pipe x #Op GPUs) and other schedules (``schedules``, priced by
+:mod:`tplib.search.pricing`): ``terapipe-zb`` (the zero-bubble planner's plan), and 1F1B
+over microbatches of 1, 2, 4 or 8 sequences, interleaved over v chunks per stage, or over
+token slices cut by a slicing (``seq1f1b``, Seq1F1B's), and (``accumulate``) TeraPipe's
+plans in rounds of gradient accumulation. Each schedule is a candidate of its own, its
+choices in its :class:`Layout`. The defaults search what the paper did.
 
-* memory: the weights and optimizer state of a stage plus the least its activations can
-  be (without recomputation the whole minibatch is kept, and token slicing at best
-  halves the attention scores: L^2 / 2 per sequence; with it, each sequence's input);
-  a candidate whose floor exceeds the capacity cannot fit, whatever its plan;
-* latency: stage 0's compute at the GPU's peak matrix rate (every product at
-  ``gemm_efficiency`` x peak with no quantization loss, attention over the causal half),
-  plus, in the fill-drain order, the last unit's forward and backward through the other
-  K - 1 stages at the host floor with the link latency, plus the all-reduce and the
-  optimizer step. The simulator charges at least this for any plan (its action times
-  are never below these terms), so a candidate whose floor reaches the best latency
-  found is dropped unplanned. Candidates are planned in order of their floors.
+Pruning keeps the search exact and fast: before planning a candidate, a memory floor
+and a latency floor are computed from the cost model alone
+(:mod:`tplib.search.floors`); a candidate whose memory floor exceeds the capacity cannot
+fit, and one whose latency floor reaches the best latency found is dropped unplanned.
+Candidates are planned in order of their latency floors.
 """
 
 from __future__ import annotations
@@ -39,19 +40,32 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tplib.cluster import CALIBRATIONS, Calibration, ClusterCostModel, check_layout
-from tplib.cluster.hardware import CLUSTERS, FP16, Hardware
+from tplib.cluster.hardware import CLUSTERS, Hardware
 from tplib.cluster.implementation import PAPER, RECOMPUTES, Implementation
-from tplib.cluster.memory import STATE_BYTES, activation_rates
-from tplib.nn.configs import GPTConfig, get_config, n_params_per_layer
+from tplib.nn.configs import GPTConfig, get_config
 from tplib.partition.chain import DoesNotFit
 from tplib.partition.topology import Topology
-from tplib.planner import plan_slices
-from tplib.sim.simulate import simulate_schedule
+from tplib.schedule.chunks import interleaved
+from tplib.search.floors import latency_floor, memory_floor
+from tplib.search.pricing import (
+    GRANULARITY,
+    MICROBATCH_SCHEDULES,
+    SEARCHED_SCHEDULES,
+    SLICINGS,
+    TOKEN_SCHEDULES,
+    Layout,
+    Slicing,
+    price,
+    token_slices_of,
+    variants,
+)
 
 __all__ = [
     "SEARCHED_RECOMPUTE",
+    "SEARCHED_SCHEDULES",
     "Candidate",
     "Layout",
+    "NoLayout",
     "Search",
     "autoplan",
     "latency_floor",
@@ -62,21 +76,10 @@ EPS = 1e-4  # the paper's eps = 0.1 ms (§3.3)
 # The recomputation modes searched unless asked: the paper's two. Selective
 # recomputation is priced too (tplib.cluster.implementation.RECOMPUTES) when asked for.
 SEARCHED_RECOMPUTE = ("none", "full")
-GRANULARITY = 8
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the model: #Data x #Pipe x #Op and recomputation."""
-
-    n_data: int
-    n_stages: int
-    n_op: int
-    recompute: str = "none"
-
-    def __str__(self) -> str:
-        rc = ", recompute" if self.recompute == "full" else ""
-        return f"#Data={self.n_data} x #Pipe={self.n_stages} x #Op={self.n_op}{rc}"
+class NoLayout(ValueError):
+    """No layout the search may price takes the model, GPUs, batch and schedules asked."""
 
 
 @dataclass(frozen=True)
@@ -149,78 +152,49 @@ class Search:
 
 
 def layouts(
-    cfg: GPTConfig, n_gpus: int, batch: int, hardware: Hardware
+    cfg: GPTConfig, n_gpus: int, batch: int, hardware: Hardware, n_cp: int = 1
 ) -> Iterator[tuple[int, int, int]]:
     """Every (#Data, #Pipe, #Op) of ``n_gpus`` GPUs the cluster model can price for
-    ``cfg`` and a global batch ``batch`` (see the module docstring)."""
+    ``cfg`` and a global batch ``batch``, with ``n_cp`` context-parallel ranks per stage
+    (see the module docstring)."""
     g = hardware.gpus_per_node
     for n_op in range(1, min(g, n_gpus) + 1):
         for n_stages in range(1, cfg.n_layer + 1):
-            if n_gpus % (n_op * n_stages):
+            if n_gpus % (n_op * n_stages * n_cp):
                 continue
-            n_data = n_gpus // (n_op * n_stages)
-            replica = n_stages * n_op
+            n_data = n_gpus // (n_op * n_stages * n_cp)
+            replica = n_stages * n_op * n_cp
             if batch % n_data or (replica % g and g % replica):
                 continue
             try:
-                check_layout(cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware)
+                check_layout(
+                    cfg, n_stages=n_stages, n_op=n_op, n_data=n_data, hardware=hardware,
+                    n_cp=n_cp,
+                )  # fmt: skip
             except ValueError:
                 continue
             yield n_data, n_stages, n_op
 
 
-def _memory_floor(
-    cfg: GPTConfig,
-    layout: Layout,
-    seq_len: int,
-    pipeline_batch: int,
-    cal: Calibration,
-    impl: Implementation = PAPER,
-) -> float:
-    """The least memory per GPU any plan of ``layout`` needs (see the module docstring)."""
-    layers = cfg.n_layer // layout.n_stages
-    states = STATE_BYTES * layers * n_params_per_layer(cfg) / layout.n_op
-    per_token, score_bytes = activation_rates(cfg, layout.n_op, impl, layout.recompute)
-    tokens = pipeline_batch * seq_len
-    if layout.recompute == "full":
-        acts: float = tokens * cfg.hidden * FP16
-    else:
-        acts = layers * (tokens * per_token + tokens * seq_len / 2 * score_bytes)
-    return states + acts + cal.memory_reserve
-
-
-def latency_floor(cost: ClusterCostModel, pipeline_batch: int) -> float:
-    """The least simulated latency any plan of ``cost``'s layout has (module docstring)."""
-    cfg, op, cal, hw = cost.cfg, cost.n_op, cost.cal, cost.hw
-    h, L, b = cfg.hidden, cost.seq_len, pipeline_batch
-    # Products: forward 24 H^2 / #Op per token, backward twice; attention forward at
-    # least 2 b H L^2 / #Op (QK^T and AV over the causal half), backward twice.
-    fwd = 24 * h * h / op * b * L + 2 * b * h * L * L / op
-    flops = fwd * (3 + (1 if cost.recompute == "full" else 0))
-    compute = cost.layers_per_stage * flops / (cal.gemm_efficiency * hw.peak_fp16)
-    floor = cost.layers_per_stage * cost.host_floor * (1 + cal.backward_floor)
-    if cost.recompute == "full":
-        floor += cost.layers_per_stage * cost.host_floor
-    fill = (cost.n_stages - 1) * (floor + 2 * cal.intra_node_latency)
-    return compute + fill + cost.allreduce(0) + cost.optimizer(0)
-
-
-def _evaluate(
-    cfg: GPTConfig, layout: Layout, cost: ClusterCostModel, pipeline_batch: int, eps: float
-) -> tuple[float, float, str, float]:
-    t0 = time.perf_counter()
-    p = plan_slices(
-        cost,
-        seq_len=cost.seq_len,
-        batch=pipeline_batch,
-        n_stages=layout.n_stages,
-        granularity=GRANULARITY,
-        eps=eps,
-    )
-    seconds = time.perf_counter() - t0
-    memory = cost.memory(p).total
-    latency = simulate_schedule("terapipe", layout.n_stages, p, cost, validate=False).latency
-    return latency, memory, p.to_paper(), seconds
+def _cp_choices(
+    context_parallel: tuple[int, ...] | None, n_gpus: int, L: int, flash: bool
+) -> tuple[int, ...]:
+    """The #CP values searched: those asked (each checked), or every one that can run."""
+    if context_parallel is None:
+        if not flash:
+            return (1,)
+        return tuple(c for c in range(1, n_gpus + 1) if n_gpus % c == 0 and L % (2 * c) == 0)
+    for c in context_parallel:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"context_parallel={context_parallel!r}: #CP values are ints >= 1")
+        if c > 1 and (not flash or L % (2 * c)):
+            raise ValueError(
+                f"#CP={c}: context parallelism needs FlashAttention and L={L} a multiple "
+                f"of 2 #CP = {2 * c}"
+            )
+    if not context_parallel:
+        raise ValueError("context_parallel=(): search at least one #CP (1: none)")
+    return tuple(context_parallel)
 
 
 def autoplan(
@@ -235,17 +209,31 @@ def autoplan(
     eps: float = EPS,
     calibration: Calibration | None = None,
     implementation: Implementation | None = None,
+    schedules: tuple[str, ...] = ("terapipe",),
+    context_parallel: tuple[int, ...] | None = (1,),
+    granularity: int = GRANULARITY,
+    slicing: Slicing | None = None,
+    hardware: Hardware | None = None,
+    accumulate: bool = False,
 ) -> Search:
     """The fastest layout of ``model`` on ``n_gpus`` GPUs of ``cluster`` for a global
     batch of ``batch`` sequences that fits in memory (``memory_gib`` per GPU overrides
-    the cluster's). ``calibration``: the cluster's by default; ``implementation``: the
-    paper's, with FlashAttention-2 where the cluster runs it. Raises ``ValueError`` for
-    input no layout can take, and :class:`~tplib.partition.chain.DoesNotFit` when none
-    fits, naming the closest."""
+    the cluster's; ``hardware`` the cluster's nodes). ``calibration``: the cluster's by
+    default; ``implementation``: the paper's, with FlashAttention-2 where the cluster
+    runs it (sequence parallelism is dropped where #Op = 1). ``schedules``: those of
+    :data:`SEARCHED_SCHEDULES` to try; ``context_parallel``: the #CP values (None: every
+    one that can run); ``granularity``: the planner's token grid (a multiple of 2 #CP
+    too where #CP > 1); ``slicing``: Seq1F1B's (default: the one registered as
+    ``"seq1f1b"`` in :data:`~tplib.search.pricing.SLICINGS`); ``accumulate``: TeraPipe's
+    plans also in 2, 4, ... fill-drain rounds of gradient accumulation. Under
+    FlashAttention selective recomputation costs and keeps what none does, so it is
+    searched only where none is not. Raises ``ValueError`` for input no layout can take
+    (:class:`NoLayout` where the model, GPUs, batch and schedules admit none), and
+    :class:`~tplib.partition.chain.DoesNotFit` when none fits, naming the closest."""
     cfg = get_config(model) if isinstance(model, str) else model
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster={cluster!r}: known clusters are {sorted(CLUSTERS)}")
-    hw = CLUSTERS[cluster]
+    hw = hardware or CLUSTERS[cluster]
     calibration = calibration or CALIBRATIONS[cluster]
     if implementation is None:
         flash = calibration.flash_efficiency is not None
@@ -258,47 +246,85 @@ def autoplan(
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r}: the global batch needs at least one sequence")
     L = seq_len or cfg.seq_len
-    if L % GRANULARITY:
-        raise ValueError(f"seq_len={L}: must be a multiple of the planner's {GRANULARITY} tokens")
+    if granularity < 1 or L % granularity:
+        raise ValueError(f"seq_len={L}: must be a multiple of the planner's {granularity} tokens")
     cfg = cfg if cfg.seq_len >= L else cfg.with_(seq_len=L)
     bad = [m for m in recompute if m not in RECOMPUTES]
     if not recompute or bad:
         raise ValueError(f"recompute={recompute!r}: choose among {RECOMPUTES}")
-    start = time.perf_counter()
-    found = [
-        Layout(d, k, op, rc) for d, k, op in layouts(cfg, n_gpus, batch, hw) for rc in recompute
-    ]
-    if not found:
+    unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
+    if not schedules or unknown:
+        raise ValueError(f"schedules={schedules!r}: choose among {SEARCHED_SCHEDULES}")
+    slicing = slicing or SLICINGS.get("seq1f1b")
+    if "seq1f1b" in schedules and slicing is None:
         raise ValueError(
+            "schedule 'seq1f1b' needs its slicing: pass slicing= or register one as "
+            "'seq1f1b' (tplib.search.pricing.register_slicing)"
+        )
+    flash = implementation.attention == "flash"
+    cps = _cp_choices(context_parallel, n_gpus, L, flash)
+    if flash and "none" in recompute:  # the same prices: see the docstring
+        recompute = tuple(m for m in recompute if m != "selective")
+    start = time.perf_counter()
+    found: list[Layout] = []
+    for cp in cps:
+        grid = math.lcm(granularity, 2 * cp) if cp > 1 else granularity
+        names = tuple(s for s in schedules if L % grid == 0 or s not in TOKEN_SCHEDULES)
+        for d, k, op in layouts(cfg, n_gpus, batch, hw, n_cp=cp):
+            for rc in recompute:
+                base = Layout(d, k, op, rc, n_cp=cp)
+                found += variants(base, names, batch // d, cfg.n_layer // k, accumulate)
+    if not found:
+        raise NoLayout(
             f"no layout of {cfg.name} on n_gpus={n_gpus} with batch={batch}: #Data x #Pipe x "
             f"#Op must equal the GPUs, #Pipe divide the {cfg.n_layer} layers, #Op divide "
             f"the {hw.gpus_per_node} GPUs of a node and the {cfg.n_head} heads, and #Data "
-            "divide the batch"
+            f"divide the batch; schedules {schedules} ask more (interleaving v > 1 "
+            "dividing a stage's layers, Megatron's microbatches a multiple of #Pipe)"
         )
-    costs, floors = {}, {}
+    impls = {
+        op: replace(implementation, sequence_parallel=False)
+        if op == 1 and implementation.sequence_parallel
+        else implementation
+        for op in {lay.n_op for lay in found}
+    }
+    bases: dict[tuple[int, int, int, str, int], ClusterCostModel] = {}
+    costs, floors, slices = {}, {}, {}
     for lay in found:
-        costs[lay] = ClusterCostModel(
-            cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, seq_len=L,
-            calibration=calibration, hardware=hw, recompute=lay.recompute,
-            implementation=implementation,
-        )  # fmt: skip
-        floors[lay] = latency_floor(costs[lay], batch // lay.n_data)
+        key = (lay.n_data, lay.n_stages, lay.n_op, lay.recompute, lay.n_cp)
+        if key not in bases:
+            bases[key] = ClusterCostModel(
+                cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, seq_len=L,
+                calibration=calibration, hardware=hw, recompute=lay.recompute,
+                implementation=impls[lay.n_op], n_cp=lay.n_cp,
+            )  # fmt: skip
+        costs[lay] = bases[key].placed(interleaved(lay.n_stages, lay.n_chunks))
+        grid = math.lcm(granularity, 2 * lay.n_cp) if lay.n_cp > 1 else granularity
+        slices[lay] = token_slices_of(cfg, lay, L, grid, slicing)
+        unit = None
+        if lay.schedule in MICROBATCH_SCHEDULES:
+            unit = (lay.microbatch, slices[lay] or (L,))
+        floors[lay] = latency_floor(costs[lay], batch // lay.n_data, unit, lay.rounds)
     out: list[Candidate] = []
     best: float = math.inf
     for lay in sorted(found, key=floors.__getitem__):
         b = batch // lay.n_data
-        mem_floor = _memory_floor(cfg, lay, L, b, calibration, implementation)
+        mem_floor = memory_floor(cfg, lay, L, b, calibration, impls[lay.n_op])
         if mem_floor > hw.gpu_memory:
             out.append(Candidate(lay, "out of memory", floors[lay], mem_floor))
         elif floors[lay] >= best:
             out.append(Candidate(lay, "pruned", floors[lay], mem_floor))
         else:
-            latency, memory, text, secs = _evaluate(cfg, lay, costs[lay], b, eps)
-            fits = memory <= hw.gpu_memory
+            grid = math.lcm(granularity, 2 * lay.n_cp) if lay.n_cp > 1 else granularity
+            priced = price(lay, costs[lay], b, eps=eps, grid=grid, slices=slices[lay])
+            fits = priced.memory <= hw.gpu_memory
             if fits:
-                best = min(best, latency)
+                best = min(best, priced.latency)
             status = "fits" if fits else "out of memory"
-            out.append(Candidate(lay, status, floors[lay], memory, latency, text, secs))
+            out.append(
+                Candidate(lay, status, floors[lay], priced.memory, priced.latency,
+                          priced.plan, priced.plan_seconds)
+            )  # fmt: skip
     seconds = time.perf_counter() - start
     fitting = sorted((c for c in out if c.status == "fits"), key=lambda c: c.latency)
     if not fitting:

@@ -1,8 +1,9 @@
 """What a Megatron-style GPT training run costs on a cluster: ``python -m tplib predict``.
 
 :class:`MegatronRun` is a run as Megatron-LM's arguments state it: the cluster and its
-GPU count, the model (layers, hidden, heads, vocabulary, sequence length), tensor- and
-pipeline-parallel sizes (#Op = T, #Pipe = P; #Data = N / (T P)), the global batch and
+GPU count, the model (layers, hidden, heads, vocabulary, sequence length), tensor-,
+context- and pipeline-parallel sizes (#Op = T, #CP = C, #Pipe = P; #Data = N / (T C P);
+context parallelism as :mod:`tplib.cluster.context_parallel` prices it), the global batch and
 microbatch, interleaving (v model chunks per stage), recomputation, sequence
 parallelism, the distributed optimizer and the pipeline schedule. It is checked whole
 before anything is priced (:meth:`MegatronRun.check`).
@@ -23,19 +24,22 @@ length s, vocabulary V and global batch B as
 ``tflops_per_gpu`` divides the count for the run's recomputation (the second for
 ``full``, the first otherwise: selective recomputation's extra attention forward is not
 counted) by the iteration time and the GPUs; ``mfu`` divides the first, the model's own
-FLOPs, by the GPUs' dense fp16/bf16 peak.
+FLOPs, by the GPUs' dense fp16/bf16 peak. Context parallelism changes neither count: it
+splits the same products over more GPUs.
 
 Long pipelines. A microbatch schedule (GPipe, 1F1B, interleaved 1F1B) over M > 2P
 uniform microbatches is periodic: once the pipeline is full, each further microbatch
 adds the same time (interleaved: each group of P; Megatron requires M to be a multiple
 of P there, as :meth:`MegatronRun.check` does). :func:`predict` simulates P and 2P
-microbatches and extrapolates to M; tests check that this equals simulating all M, on
-runs of every schedule, with interleaving, data parallelism and the model's ends.
+microbatches and extrapolates to M (:func:`~tplib.search.pricing.periodic`); tests check
+that this equals simulating all M, on runs of every schedule, with interleaving, data
+parallelism and the model's ends.
 Token-sliced schedules are simulated whole.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tplib.cluster.calibration import CALIBRATIONS, Calibration
@@ -47,9 +51,10 @@ from tplib.nn.configs import GPTConfig
 from tplib.plan import Plan
 from tplib.schedule import Schedule, make_schedule, registered
 from tplib.schedule.chunks import interleaved
+from tplib.search.pricing import GRANULARITY, periodic
 from tplib.sim.simulate import simulate
 
-__all__ = ["MegatronRun", "Prediction", "narayanan_flops", "predict"]
+__all__ = ["MegatronRun", "Prediction", "model_flops", "narayanan_flops", "predict"]
 
 # Schedules predict prices: microbatch schedules, and TeraPipe's token-sliced ones over
 # the planner's slices of each microbatch.
@@ -72,6 +77,7 @@ class MegatronRun:
     seq_len: int = 2048
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     microbatch: int = 1
     interleave: int = 1
     recompute: str = "none"
@@ -93,7 +99,7 @@ class MegatronRun:
         for name in ("gpus", "layers", "hidden", "heads", "batch", "vocab", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("tp", "pp", "microbatch", "interleave"):
+        for name in ("tp", "pp", "cp", "microbatch", "interleave"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
         if self.gpus % g:
@@ -105,11 +111,12 @@ class MegatronRun:
                 f"tp={self.tp} must divide the {g} GPUs of a node (tensor parallelism stays "
                 "inside a node)"
             )
-        if self.gpus % (self.tp * self.pp):
+        if self.cp == 1 and self.gpus % (self.tp * self.pp):
             raise ValueError(
                 f"gpus={self.gpus} is not a multiple of tp x pp = {self.tp * self.pp}: "
                 "#Data = gpus / (tp pp) replicas"
             )
+        self._check_cp(g)
         if self.heads % self.tp:
             raise ValueError(f"heads={self.heads} is not divisible by tp={self.tp}")
         if self.hidden % self.heads:
@@ -151,9 +158,48 @@ class MegatronRun:
         if self.attention == "flash" and CALIBRATIONS[self.cluster].flash_efficiency is None:
             raise ValueError(f"attention='flash' on {self.cluster}: its GPUs do not run it")
 
+    def _check_cp(self, g: int) -> None:
+        """The rules context parallelism adds (nothing with ``cp=1``)."""
+        if self.cp == 1:
+            return
+        group = self.tp * self.cp
+        if self.gpus % (group * self.pp):
+            raise ValueError(
+                f"gpus={self.gpus} is not a multiple of tp x cp x pp = {group * self.pp}: "
+                "#Data = gpus / (tp cp pp) replicas"
+            )
+        if group % g and g % group:
+            raise ValueError(
+                f"tp x cp = {group} must divide the {g} GPUs of a node or be whole nodes "
+                "(a stage's GPUs sit together, tensor ranks innermost)"
+            )
+        if self.seq_len % (2 * self.cp):
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by 2 x cp = {2 * self.cp}: "
+                "context parallelism cuts each sequence into 2 cp equal chunks"
+            )
+        if self.sequence_parallel and self.seq_len % (self.tp * self.cp):
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by tp x cp = {group}: sequence "
+                "parallelism splits each CP rank's tokens over the tensor-parallel group"
+            )
+        if self.attention not in (None, "flash") or (
+            CALIBRATIONS[self.cluster].flash_efficiency is None
+        ):
+            raise ValueError(
+                f"cp={self.cp} on {self.cluster} with attention={self.attention!r}: context "
+                "parallelism runs ring attention over FlashAttention kernels"
+            )
+
+    @property
+    def granularity(self) -> int:
+        """The planner's token grid for the TeraPipe schedules: 8 tokens, and a multiple
+        of 2 cp (each token slice is cut into 2 cp chunks)."""
+        return math.lcm(GRANULARITY, 2 * self.cp)
+
     @property
     def n_data(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.cp * self.pp)
 
     @property
     def microbatches(self) -> int:
@@ -219,6 +265,7 @@ class Prediction:
             "fits": self.fits,
             "bubble_fraction": self.bubble_fraction,
             "n_data": self.run.n_data,
+            "cp": self.run.cp,
             "microbatches": self.run.microbatches,
             "schedule": self.run.schedule_name,
             "attention": self.run.implementation.attention,
@@ -227,7 +274,14 @@ class Prediction:
 
 def narayanan_flops(run: MegatronRun, *, recompute: bool) -> float:
     """FLOPs of one iteration by Narayanan et al. 2021's formula (module docstring)."""
-    b, s, n, h, v = run.batch, run.seq_len, run.layers, run.hidden, run.vocab
+    return model_flops(run.config, run.batch, recompute=recompute)
+
+
+def model_flops(cfg: GPTConfig, batch: int, *, recompute: bool = False) -> float:
+    """Narayanan et al. 2021's FLOPs of one iteration of ``batch`` sequences of
+    ``cfg.seq_len`` tokens (module docstring), with full recomputation's extra forward
+    when ``recompute``."""
+    b, s, n, h, v = batch, cfg.seq_len, cfg.n_layer, cfg.hidden, cfg.vocab_size
     if recompute:
         return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
     return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
@@ -247,21 +301,21 @@ def cost_model(run: MegatronRun, calibration: Calibration | None = None) -> Clus
         recompute=run.recompute,
         implementation=run.implementation,
         overlap_unit=(run.microbatch, run.seq_len),
+        n_cp=run.cp,
     )
     return cost.placed(interleaved(run.pp, run.interleave))
 
 
 def _plan(run: MegatronRun, microbatches: int, cost: ClusterCostModel) -> Plan:
     if run.schedule_name.startswith("terapipe"):
-        from tplib.planner import plan_slices
-        from tplib.search.setting import GRANULARITY  # the planner: only when asked
+        from tplib.planner import plan_slices  # the planner: only when asked
 
         return plan_slices(
             cost,
             seq_len=run.seq_len,
             batch=microbatches * run.microbatch,
             n_stages=run.pp,
-            granularity=GRANULARITY,
+            granularity=run.granularity,
             n_chunks=run.interleave,
         )
     return Plan.gpipe(microbatches * run.microbatch, run.seq_len, microbatch=run.microbatch)
@@ -287,14 +341,9 @@ def predict(run: MegatronRun, calibration: Calibration | None = None) -> Predict
     under ``calibration`` (default: the cluster's)."""
     m, p = run.microbatches, run.pp
     cost = cost_model(run, calibration)
-    if not run.schedule_name.startswith("terapipe") and m > 2 * p:
-        # Periodic: P and 2P microbatches give the time each further one adds.
-        (l1, b1, _), (l2, b2, schedule) = _simulate(run, p, cost), _simulate(run, 2 * p, cost)
-        latency, busy = l2 + (m - 2 * p) * (l2 - l1) / p, b2 + (m - 2 * p) * (b2 - b1) / p
-        simulated = 2 * p
-    else:
-        latency, busy, schedule = _simulate(run, m, cost)
-        simulated = m
+    # Periodic: P and 2P microbatches give the time each further one adds.
+    period = m if run.schedule_name.startswith("terapipe") else p
+    latency, busy, schedule, simulated = periodic(m, period, lambda n: _simulate(run, n, cost))
     bubble = max(0.0, 1.0 - busy / (latency * p))  # 0, not -1e-16, without a bubble
     hw = cost.hw
     memory, _ = schedule_memory_per_gpu(
@@ -307,6 +356,7 @@ def predict(run: MegatronRun, calibration: Calibration | None = None) -> Predict
         implementation=run.implementation,
         n_data=run.n_data,
         stages=sorted({0, p - 1}),
+        n_cp=run.cp,
     )
     counted = narayanan_flops(run, recompute=run.recompute == "full")
     model = narayanan_flops(run, recompute=False)
