@@ -175,7 +175,6 @@ def test_pruning_stays_exact_with_cp_rounds_and_token_slices() -> None:
         ({"recompute": ("some",)}, "recompute="),
         ({"recompute": ("none", "partial")}, "choose among .'none', 'selective', 'full'."),
         ({"schedules": ("gpipe",)}, "schedules=.'gpipe',.: choose among"),
-        ({"schedules": ("seq1f1b",)}, "'seq1f1b' needs its slicing"),
         ({"context_parallel": (2,)}, "#CP=2: context parallelism needs FlashAttention"),
     ],
 )

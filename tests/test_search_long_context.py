@@ -7,7 +7,6 @@ import pytest
 
 from tplib.nn.configs import GPTConfig
 from tplib.plan import Plan
-from tplib.search import pricing
 from tplib.search.long_context import best_layout
 from tplib.search.megatron import MegatronRun, predict
 
@@ -34,15 +33,15 @@ def test_the_best_layout_of_a_method_with_its_throughput_and_mfu() -> None:
     assert predict(run).iteration_s == pytest.approx(cp.iteration_s)
 
 
-def test_nothing_fitting_is_named_and_seq1f1b_takes_its_slicing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_nothing_fitting_is_named_and_seq1f1b_takes_its_slicing() -> None:
     tight = best_layout(SMALL, 8, L, "1f1b", batch=4, memory_gib=2)
     assert not tight.fits and tight.tp is None and tight.memory_gib > 2
     assert "nothing fits in 2.0 GiB per GPU" in tight.reason
-    monkeypatch.delitem(pricing.SLICINGS, "seq1f1b", raising=False)
-    none = best_layout(SMALL, 8, L, "seq1f1b", batch=4, memory_gib=16)
-    assert not none.fits and "no seq1f1b slicing" in none.reason
+    # By default seq1f1b cuts each sequence into slices of equal FLOPs: longer first.
+    default = best_layout(SMALL, 8, L, "seq1f1b", batch=4, memory_gib=16)
+    assert default.fits and default.schedule == "seq1f1b"
+    first = Plan.from_paper(default.slicing).token_slices[0]
+    assert len(first) > 1 and list(first) == sorted(first, reverse=True) and first[0] > first[-1]
 
     def equal(cfg: GPTConfig, seq_len: int, n: int, grid: int) -> list[int]:
         return [seq_len // n] * n

@@ -13,7 +13,7 @@ from tplib.plan import Plan, Unit
 from tplib.schedule import Kind, make_schedule
 from tplib.schedule.generators import _complete
 from tplib.search.long_context import LONG_CONTEXT
-from tplib.search.pricing import price_microbatches, price_terapipe, register_slicing
+from tplib.search.pricing import price_microbatches, price_terapipe
 from tplib.sim.simulate import simulate
 
 CFG = GPTConfig("p", n_layer=8, hidden=1024, n_head=8, seq_len=8192, vocab_size=32000)
@@ -50,8 +50,3 @@ def test_terapipe_in_rounds_costs_the_rounds_run_one_after_another() -> None:
         order += [(Kind.F, u) for u in units] + [(Kind.B, u) for u in reversed(units)]
     rounds = _complete("terapipe", 4, both, [order] * 4)
     assert priced.latency == pytest.approx(simulate(rounds, cost).latency, rel=1e-12)
-
-
-def test_a_slicing_must_be_callable() -> None:
-    with pytest.raises(ValueError, match="is not callable"):
-        register_slicing("seq1f1b", 42)  # type: ignore[arg-type]

@@ -51,11 +51,11 @@ from tplib.search.pricing import (
     GRANULARITY,
     MICROBATCH_SCHEDULES,
     SEARCHED_SCHEDULES,
-    SLICINGS,
     TOKEN_SCHEDULES,
     Layout,
     Slicing,
     price,
+    seq1f1b_slicing,
     token_slices_of,
     variants,
 )
@@ -223,9 +223,9 @@ def autoplan(
     runs it (sequence parallelism is dropped where #Op = 1). ``schedules``: those of
     :data:`SEARCHED_SCHEDULES` to try; ``context_parallel``: the #CP values (None: every
     one that can run); ``granularity``: the planner's token grid (a multiple of 2 #CP
-    too where #CP > 1); ``slicing``: Seq1F1B's (default: the one registered as
-    ``"seq1f1b"`` in :data:`~tplib.search.pricing.SLICINGS`); ``accumulate``: TeraPipe's
-    plans also in 2, 4, ... fill-drain rounds of gradient accumulation. Under
+    too where #CP > 1); ``slicing``: how ``seq1f1b`` cuts a sequence (default:
+    Seq1F1B's equal-FLOP slicing, :func:`~tplib.search.pricing.seq1f1b_slicing`);
+    ``accumulate``: TeraPipe's plans also in 2, 4, ... fill-drain rounds of gradient accumulation. Under
     FlashAttention selective recomputation costs and keeps what none does, so it is
     searched only where none is not. Raises ``ValueError`` for input no layout can take
     (:class:`NoLayout` where the model, GPUs, batch and schedules admit none), and
@@ -255,12 +255,7 @@ def autoplan(
     unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
     if not schedules or unknown:
         raise ValueError(f"schedules={schedules!r}: choose among {SEARCHED_SCHEDULES}")
-    slicing = slicing or SLICINGS.get("seq1f1b")
-    if "seq1f1b" in schedules and slicing is None:
-        raise ValueError(
-            "schedule 'seq1f1b' needs its slicing: pass slicing= or register one as "
-            "'seq1f1b' (tplib.search.pricing.register_slicing)"
-        )
+    slicing = slicing or seq1f1b_slicing
     flash = implementation.attention == "flash"
     cps = _cp_choices(context_parallel, n_gpus, L, flash)
     if flash and "none" in recompute:  # the same prices: see the docstring

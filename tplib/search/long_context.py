@@ -37,9 +37,9 @@ and a multiple of 2 #CP), the candidates are pruned by their memory floor first,
 their latency floor, and 1F1B pipelines are simulated over 2K microbatches and
 extrapolated (:func:`~tplib.search.pricing.periodic`).
 
-Seq1F1B's equal-FLOP slicing is not written here: it plugs in through
-:func:`~tplib.search.pricing.register_slicing` (name ``"seq1f1b"``) or the ``slicing``
-argument; without one, ``seq1f1b`` answers that it has no slicing.
+``seq1f1b`` cuts every sequence by Seq1F1B's equal-FLOP rule
+(:func:`~tplib.search.pricing.seq1f1b_slicing`) unless the ``slicing`` argument says
+otherwise.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from tplib.nn.configs import GPTConfig, get_config
 from tplib.partition.chain import DoesNotFit
 from tplib.search.layout import Candidate, NoLayout, autoplan
 from tplib.search.megatron import model_flops
-from tplib.search.pricing import SLICINGS, Slicing
+from tplib.search.pricing import Slicing
 
 __all__ = [
     "GRID_STEPS",
@@ -191,9 +191,6 @@ def best_layout(
     budget = hw.gpu_memory / 2**30
     head = LongContextResult(cfg.name, method, seq_len, n_gpus, sequences, budget, False)
     schedules, cps = METHODS[method]
-    slicing = slicing or SLICINGS.get("seq1f1b")
-    if "seq1f1b" in schedules and slicing is None:
-        return replace(head, reason="no seq1f1b slicing is registered (pricing.SLICINGS)")
     try:
         search = autoplan(
             cfg,

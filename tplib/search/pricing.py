@@ -13,8 +13,8 @@ The layout search (:func:`tplib.search.layout.autoplan`) and the long-context st
   fill-drain round: its last backward is the round's last; tests check this against
   the rounds simulated one after the other);
 - ``1f1b`` and ``interleaved-1f1b`` over microbatches, and ``seq1f1b``: 1F1B over token
-  slices, every sequence cut alike by a :data:`Slicing` (Seq1F1B's equal-FLOP slicing,
-  plugged in through :func:`register_slicing` or passed by the caller). Their memory is
+  slices, every sequence cut alike by a :data:`Slicing` (by default Seq1F1B's equal-FLOP
+  slicing, :func:`seq1f1b_slicing`; a caller may pass another). Their memory is
   the schedule's own (:func:`~tplib.cluster.memory.schedule_memory_per_gpu` on the end
   stages, which hold the model's ends).
 
@@ -37,6 +37,7 @@ from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.nn.configs import GPTConfig
 from tplib.plan import Plan
 from tplib.planner import plan_slices
+from tplib.planner.seq1f1b import FlopModel, equal_flop_slices
 from tplib.planner.zero_bubble import plan_zero_bubble
 from tplib.schedule import Schedule, make_schedule
 from tplib.sim.simulate import simulate
@@ -45,7 +46,6 @@ __all__ = [
     "GRANULARITY",
     "MICROBATCH_SCHEDULES",
     "SEARCHED_SCHEDULES",
-    "SLICINGS",
     "TOKEN_SCHEDULES",
     "Layout",
     "Priced",
@@ -54,7 +54,7 @@ __all__ = [
     "price",
     "price_microbatches",
     "price_terapipe",
-    "register_slicing",
+    "seq1f1b_slicing",
     "token_slices_of",
     "variants",
 ]
@@ -72,16 +72,13 @@ Slicing = Callable[[GPTConfig, int, int, int], Sequence[int]]
 """``(cfg, seq_len, n_slices, granularity) -> token slice lengths``: how ``seq1f1b`` cuts
 every sequence, ``n_slices`` slices, each a multiple of ``granularity`` tokens."""
 
-# Slicings by name. Seq1F1B's equal-FLOP slicing registers itself as "seq1f1b".
-SLICINGS: dict[str, Slicing] = {}
 
-
-def register_slicing(name: str, slicing: Slicing) -> None:
-    """Make ``slicing`` the one ``name`` refers to (``"seq1f1b"``: the slicing the
-    ``seq1f1b`` schedule uses when the caller passes none)."""
-    if not callable(slicing):
-        raise ValueError(f"slicing {slicing!r} for {name!r} is not callable")
-    SLICINGS[name] = slicing
+def seq1f1b_slicing(
+    cfg: GPTConfig, seq_len: int, n_slices: int, granularity: int
+) -> tuple[int, ...]:
+    """Seq1F1B's slicing: ``n_slices`` slices of equal FLOPs for ``cfg``
+    (:func:`~tplib.planner.seq1f1b.equal_flop_slices`) on the grid of ``granularity``."""
+    return equal_flop_slices(FlopModel.of(cfg), seq_len, n_slices, granularity)
 
 
 @dataclass(frozen=True)
