@@ -38,6 +38,7 @@ SMALL = {
     "pipeline_systems": {"settings": [8]},
     "layout_search": {"settings": [10]},
     "modern_clusters": {"settings": [10], "clusters": ["dgx-h100"]},
+    "long_context": {"studies": ["GPT3-13B/dgx-h100"], "seq_lens": [32768]},
 }
 
 
@@ -98,6 +99,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
         "pipeline_systems",
         "layout_search",
         "modern_clusters",
+        "long_context",
     ):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
@@ -110,7 +112,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert (copy / path).resolve() == (results / "SUMMARY.md").resolve()
     assert printed == summary + "\n"
     # Each table's reproduced rows equal the copy's committed ones.
-    assert summary.count("**Equal to the committed reference**") == 6, summary
+    assert summary.count("**Equal to the committed reference**") == 7, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
     assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
 
@@ -300,10 +302,11 @@ def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNote
         "pipeline_systems",
         "layout_search",
         "modern_clusters",
+        "long_context",
     ]
     # A finished run starts anew: every job again.
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert not report.resumed and len(report.ran) == 6 and not report.skipped
+    assert not report.resumed and len(report.ran) == 7 and not report.skipped
 
 
 @pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
@@ -325,7 +328,7 @@ def test_anything_but_the_same_unfinished_run_starts_anew(
     if change == "outputs":
         assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
     else:
-        assert not report.resumed and not report.skipped and len(report.ran) == 6
+        assert not report.resumed and not report.skipped and len(report.ran) == 7
 
 
 def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
@@ -339,6 +342,7 @@ def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks)
         "pipeline_systems",
         "layout_search",
         "modern_clusters",
+        "long_context",
     ]
     assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
     hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
@@ -353,6 +357,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("pipeline_systems", "simulate"),
         ("layout_search", "simulate"),
         ("modern_clusters", "simulate"),
+        ("long_context", "simulate"),
         ("main_results", "measure"),
         ("dp_ablation", "measure"),
         ("seqlen_sweep", "measure"),
@@ -419,7 +424,7 @@ def test_a_failed_summary_is_written_by_the_next_run(
         reproduce("simulate", root=tmp_path, progress=False)
     monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert report.resumed and len(report.skipped) == 6 and not report.ran
+    assert report.resumed and len(report.skipped) == 7 and not report.ran
     assert (tmp_path / "SUMMARY.md").read_text() == "summary\n"
 
 

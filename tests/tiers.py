@@ -124,6 +124,11 @@ SLOW = frozenset(
         "test_tables_modern_clusters.py::test_each_row_follows_from_its_latencies",
         "test_tables_modern_clusters.py::test_the_committed_rows_regenerate",
         "test_tables_modern_clusters.py::test_the_committed_search_regenerates",
+        # These share the module's GPT3-13B study at 128K (2.5 s).
+        "test_tables_long_context.py::test_the_committed_rows_regenerate",
+        "test_tables_long_context.py::test_each_row_is_the_methods_best_layout",
+        "test_tables_long_context.py::test_the_winner_is_the_fastest_fitting_method",
+        "test_tables_long_context.py::test_the_dp_never_loses_to_seq1f1b",
         "test_tables_pipeline_systems.py::test_rows_agree_with_the_main_results",
         # These share the module's simulation of setting 8 (7.5 s), which whichever runs
         # first pays.

@@ -48,6 +48,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from tplib.cluster import ClusterCostModel
 from tplib.cluster.calibration import CALIBRATIONS, Calibration
 from tplib.cluster.hardware import DGX_H100
 from tplib.cluster.implementation import Implementation, Platform
@@ -64,6 +65,7 @@ __all__ = [
     "MODELS",
     "LongContextResult",
     "best_layout",
+    "layout_cost",
 ]
 
 GRID_STEPS = 64  # token-grid steps per sequence for the TeraPipe planners
@@ -238,4 +240,33 @@ def _result(
         mfu=model_flops(cfg.with_(seq_len=head.seq_len), head.batch) / (t * head.n_gpus * peak),
         memory_gib=best.memory / 2**30,
         search_seconds=seconds,
+    )
+
+
+def layout_cost(
+    result: LongContextResult,
+    platform: Platform = LONG_CONTEXT,
+    calibration: Calibration | None = None,
+) -> ClusterCostModel:
+    """The cluster cost model of ``result``'s layout (which must fit), as the search priced
+    it: its #Data, #CP, #Pipe, #Op and recomputation, sequence parallelism only where
+    #Op > 1."""
+    if not result.fits or result.pp is None or result.tp is None:
+        raise ValueError(f"{result.method} at L={result.seq_len} has no layout: {result.reason}")
+    impl = platform.implementation
+    if result.tp == 1 and impl.sequence_parallel:
+        impl = replace(impl, sequence_parallel=False)
+    hw = replace(platform.hardware, gpu_memory=result.budget_gib * 2**30)
+    cfg = _model(result.model)
+    return ClusterCostModel(
+        cfg if cfg.seq_len >= result.seq_len else cfg.with_(seq_len=result.seq_len),
+        n_stages=result.pp,
+        n_op=result.tp,
+        n_data=result.dp or 1,
+        seq_len=result.seq_len,
+        calibration=calibration or CALIBRATIONS[hw.name],
+        hardware=hw,
+        recompute=result.recompute,
+        implementation=impl,
+        n_cp=result.cp or 1,
     )

@@ -10,6 +10,7 @@ table                      paper                  module
 ``pipeline_systems``       PipeDream-2BW §5       :mod:`tplib.tables.pipeline_systems`
 ``layout_search``          Table 1 (layouts)      :mod:`tplib.tables.layout_search`
 ``modern_clusters``        (beyond: DGX nodes)    :mod:`tplib.tables.modern_clusters`
+``long_context``           (beyond: Table 4)      :mod:`tplib.tables.long_context`
 =========================  =====================  ======================================
 
 :func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
@@ -61,6 +62,7 @@ _MODULES = {
     "pipeline_systems": "pipeline_systems",
     "layout_search": "layout_search",
     "modern_clusters": "modern_clusters",
+    "long_context": "long_context",
 }
 TABLE_NAMES = tuple(_MODULES)
 
