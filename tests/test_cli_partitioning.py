@@ -77,6 +77,22 @@ def test_autoplan_errors(argv: list[str], message: str, capsys: pytest.CaptureFi
     assert message in capsys.readouterr().err
 
 
+def test_autoplan_searches_context_parallelism_and_seq1f1b(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["autoplan", "--model", "GPT3-13B", "--gpus", "64", "--batch", "16"]
+    argv += ["--seq-len", "131072", "--cluster", "dgx-h100", "--recompute", "all", "--json"]
+    assert main([*argv, "--schedules", "1f1b", "seq1f1b", "--cp", "0"]) == 0
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    assert {c["schedule"] for c in found} == {"1f1b", "seq1f1b"}
+    assert {c["n_cp"] for c in found} >= {1, 2, 4, 8}
+    assert main([*argv, "--cp", "0", "2"]) == 2
+    assert "--cp 0 2: 0 (every #CP) stands alone" in capsys.readouterr().err
+    out = str(tmp_path / "run.json")
+    assert main([*argv, "--schedules", "1f1b", "--out", out]) == 2
+    assert "a search's run is TeraPipe's plan in one round" in capsys.readouterr().err
+
+
 def test_partition_gpipe(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["partition", "--planner", "gpipe", "--model", "GPT3-1B", "--stages", "4", "--json"]
     assert main(argv) == 0

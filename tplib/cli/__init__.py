@@ -53,6 +53,7 @@ from tplib.nn.configs import PRECISIONS
 from tplib.nn.lr import LR_SCHEDULES
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
 from tplib.perfmodel.conditions import IMPLS
+from tplib.search.pricing import SEARCHED_SCHEDULES
 from tplib.tables import TABLE_NAMES
 
 __all__ = ["INT_LIMIT", "build_parser", "integer", "main", "number"]
@@ -161,6 +162,20 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         choices=("both", "all", "none", "selective", "full"),
         default="both",
         help="recomputation to search: none, selective, full, both (none and full) or all",
+    )
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=SEARCHED_SCHEDULES,
+        default=["terapipe"],
+        help="the schedules to search (default terapipe; seq1f1b: Seq1F1B's slicing)",
+    )
+    p.add_argument(
+        "--cp",
+        nargs="+",
+        type=integer(0),
+        default=[1],
+        help="#CP values to search (default 1); 0 alone: every one that can run",
     )
     p.add_argument("--top", type=COUNT, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -51,6 +51,8 @@ def autoplan_command(args: argparse.Namespace) -> int:
         cluster=args.cluster,
         memory_gib=args.memory,
         recompute=RECOMPUTE_CHOICES[args.recompute],
+        schedules=tuple(dict.fromkeys(args.schedules)),
+        context_parallel=_cp_values(args.cp),
     )
     if args.json:
         d = search.to_dict()
@@ -63,6 +65,15 @@ def autoplan_command(args: argparse.Namespace) -> int:
 
         _write_run(args, search_run(search, timing=_timing(args)), "the best layout's run")
     return 0
+
+
+def _cp_values(values: list[int]) -> tuple[int, ...] | None:
+    """``--cp``: the #CP values to search; 0 alone means every one that can run."""
+    if values == [0]:
+        return None
+    if 0 in values:
+        raise ValueError(f"--cp {' '.join(map(str, values))}: 0 (every #CP) stands alone")
+    return tuple(sorted(set(values)))
 
 
 def _timing(args: argparse.Namespace) -> Timing:

@@ -48,6 +48,12 @@ def search_run(search: Search, candidate: Candidate | None = None, **fields: Any
             "has a plan to run"
         )
     lay = c.layout
+    if lay.schedule != "terapipe" or lay.n_cp > 1 or lay.rounds > 1:
+        raise ValueError(
+            f"candidate {lay} runs {lay.schedule} with #CP={lay.n_cp} in {lay.rounds} "
+            "round(s): a search's run is TeraPipe's plan in one round without context "
+            "parallelism (the runtime runs #CP on CPU processes only)"
+        )
     longer = search.seq_len > get_config(search.model).seq_len
     defaults: dict[str, Any] = {"precision": "fp16", "device": "cuda"}
     return RunConfig(
