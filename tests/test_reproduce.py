@@ -363,6 +363,7 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("seqlen_sweep", "measure"),
         ("simulator_validation", "measure"),
         ("pipeline_systems", "measure"),
+        ("long_context", "measure"),
     ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
     assert per_mode[0].params == {"settings": [9]} and per_mode[6].params == {}

@@ -76,3 +76,16 @@ def test_nothing_fitting_and_bad_input_are_said() -> None:
     )
     assert winners(rows).winner.iloc[0] == "nothing fits"
     assert "L=8192: no method fits." in findings(rows)
+
+
+def test_the_measured_comparison_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"methods=\['ring'\]: choose among"):
+        run_table("long_context", "measure", methods=["ring"])
+    with pytest.raises(ValueError, match=r"need rounds >= 1 and #CP = #Pipe >= 2"):
+        run_table("long_context", "measure", n_cp=4)
+    committed = pd.read_csv(RESULTS / "long_context-measure.csv")
+    assert list(committed.method) == ["terapipe", "seq1f1b", "uniform", "cp"]
+    # Each row's error is its simulated latency against its measured median.
+    err = committed.simulated_latency / committed.latency - 1
+    assert list(committed.err_simulated_latency) == pytest.approx(list(err))
+    assert (committed.latency_round_min <= committed.latency_round_max).all()

@@ -1,7 +1,8 @@
 """Long context, 8K to 1M tokens: slice the sequence in time (TeraPipe, Seq1F1B), split it
 in space (context parallelism), or both?
 
-``simulate`` mode, on the cluster models. A *study* is a model on a cluster with a GPU
+``simulate`` mode, on the cluster models (``measure`` mode: the same question at CPU scale on
+this machine, :mod:`tplib.tables.long_context_measure`). A *study* is a model on a cluster with a GPU
 count and a global batch (:data:`STUDIES`):
 
 =========================  ===========  ===========================================
@@ -61,6 +62,7 @@ from tplib.search.long_context import (
     layout_cost,
 )
 from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.long_context_measure import measure
 
 __all__ = ["LENGTHS", "STUDIES", "TABLE", "Study", "dp_summary", "findings", "simulate", "winners"]
 
@@ -282,6 +284,42 @@ def figure(rows: Rows) -> Figure:
     return fig
 
 
+def measured_findings(df: pd.DataFrame) -> str:
+    """The measured comparison on this machine: the fastest, and the simulator's errors."""
+    best = df.loc[df.latency.idxmin()]
+    errors = ", ".join(f"{r.method} {r.err_simulated_latency:+.1%}" for r in df.itertuples())
+    worst = df.err_simulated_latency.abs().max()
+    spread = ", ".join(
+        f"{r.method} {r.latency:.2f} s ({r.latency_round_min:.2f}-{r.latency_round_max:.2f})"
+        for r in df.itertuples()
+    )
+    return "\n".join(
+        [
+            f"- Fastest on this machine: `{best.method}` ({best.latency:.2f} s per iteration); "
+            f"median and round spread: {spread}.",
+            f"- The simulator's error, shared cores: {errors}; "
+            f"{'all within' if worst <= 0.10 else 'NOT all within'} 10% (largest {worst:.1%}).",
+        ]
+    )
+
+
+def measured_figure(rows: Rows) -> Figure:
+    """Measured and simulated iteration time of each configuration."""
+    df = rows.df
+    long = pd.concat(
+        [
+            df.assign(source="measured", seconds=df.latency),
+            df.assign(source="simulated", seconds=df.simulated_latency),
+        ]
+    )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sns.barplot(long, x="method", y="seconds", hue="source", ax=ax)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(f"{df.model.iloc[0]}, L={df.seq_len.iloc[0]}, two processes")
+    fig.tight_layout()
+    return fig
+
+
 TABLE = Table(
     "long_context",
     "beyond the paper: Table 4 past 8K",
@@ -294,6 +332,14 @@ TABLE = Table(
             columns="study seq_len method fits tp cp pp dp v microbatch recompute schedule "
             "iteration_s tokens_per_s_per_gpu mfu memory_gib budget_gib reason",
             compare=Comparison(("study", "seq_len", "method"), "iteration_s", None, ("model",)),
+        ),
+        "measure": TableMode(
+            measure,
+            figure=measured_figure,
+            findings=measured_findings,
+            columns="method schedule n_slices latency latency_round_min latency_round_max "
+            "simulated_latency err_simulated_latency speedup_over_uniform",
+            compare=Comparison(("method",), "latency", None, ("schedule",)),
         ),
     },
 )
