@@ -312,6 +312,7 @@ def test_a_context_parallel_run_is_measured_beside_its_price(
     the one stage priced by ContextParallelCosts on the pipeline's profiles."""
     with measured_bench("tiny", (), 2, 1, 0, link, Profiling(), False, pools(2)) as bench:
         bench.profiles[64] = profiles
+        bench.ring_link = link  # not measured again
         p = Plan.uniform(2, 64, n_token_slices=2)
         m = bench.run("terapipe", p, parallelism=Parallelism(n_cp=2))
     assert sorted(r.cp_rank for r in m.result.ranks) == [0, 1] and m.latency > 0

@@ -10,12 +10,15 @@ t(b, l / (2 #CP), ·) at the two chunks' contexts: the pipeline stages' profiles
 (:func:`~tplib.perfmodel.profile_pipeline`) summed, each split into forward and backward
 by its own measured forward share.
 
-Beside the work, every layer sends messages round the ring (:class:`~tplib.sim.costs.Link`
-time each, the link between two local processes): the forward #CP - 1 shifts of the
-rank's K/V block (keys and values of positions ``[0, c + l)``, 1 / #CP of them per
+Beside the work, every layer sends messages round the ring: the forward #CP - 1 shifts
+of the rank's K/V block (keys and values of positions ``[0, c + l)``, 1 / #CP of them per
 rank), the backward #CP - 1 shifts of that block with its two gradient accumulators and
-one more taking the accumulators home. The ring synchronises the ranks at every layer,
-so a unit costs what it costs on the slowest rank.
+one more taking the accumulators home. A shift is an exchange, every rank sending and
+receiving at once, priced by a :class:`~tplib.sim.costs.Link` measured that way
+(:func:`tplib.runtime.measure_link` with ``exchange``): over loopback a shift of 8 MB,
+fresh blocks into new memory, takes several times the one-way time of the ping-pong's
+link. The ring synchronises the
+ranks at every layer, so a unit costs what it costs on the slowest rank.
 
 :class:`ContextParallelCosts` prices the actions of the one-stage schedule the runtime
 runs (``Parallelism(n_cp=#CP)``, one pipeline stage) for
@@ -47,8 +50,9 @@ class ContextParallelCosts:
     """:class:`~tplib.sim.costs.ActionCosts` of a one-stage run on ``n_cp`` CP ranks.
 
     ``profiles``: the model's pipeline stages in order, layers 0 to ``n_layer`` (summed,
-    the whole model); ``t_allreduce``: the gradient all-reduce over the #CP ranks;
-    ``t_optimizer``: the whole model's optimizer step. See the module docstring."""
+    the whole model); ``link``: the ring's exchanges; ``t_allreduce``: the gradient
+    all-reduce over the #CP ranks; ``t_optimizer``: the whole model's optimizer step.
+    See the module docstring."""
 
     profiles: tuple[Profile, ...]
     link: Link
@@ -123,9 +127,10 @@ def context_parallel_costs(
     profiles: Sequence[Profile], link: Link, n_cp: int
 ) -> ContextParallelCosts:
     """The costs of a one-stage run of the model that ``profiles`` (its pipeline stages,
-    from :func:`~tplib.perfmodel.profile_pipeline`) describe, on ``n_cp`` CP ranks over
-    ``link``: the all-reduce is the whole model's gradient, float32, as a ring over the
-    #CP ranks; the optimizer step the stages' measured steps summed."""
+    from :func:`~tplib.perfmodel.profile_pipeline`) describe, on ``n_cp`` CP ranks whose
+    exchanges take ``link`` (``measure_link(exchange=True)``): the all-reduce is the whole
+    model's gradient, float32, as a ring of such exchanges over the #CP ranks; the
+    optimizer step the stages' measured steps summed."""
     if n_cp < 1:
         raise ValueError(f"n_cp={n_cp} must be at least 1")
     if not profiles:

@@ -46,6 +46,9 @@ from tplib.util.machine import busy_cores, cpu_count, threads_per_process
 __all__ = ["Bench", "Measured", "measured_bench"]
 
 Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
+# Message sizes of the ring's exchange link, those of long sequences' K/V blocks (MBs):
+# the fit of a line over kilobytes too underprices them by a third.
+_RING_SIZES = (2**18, 2**20, 2**22, 2**23, 2**24)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class Bench:
     profiles: dict[int, list[Profile]] = field(default_factory=dict)
     costs: dict[int, LocalCosts] = field(default_factory=dict)  # per L, from its profiles
     contention: dict[int, Contention] = field(default_factory=dict)  # per L, if measured
+    # The #CP ring's exchanges (both ranks sending at once); measured at the first CP run.
+    ring_link: Link | None = None
 
     @property
     def cfg(self) -> GPTConfig:
@@ -170,8 +175,9 @@ class Bench:
         A context-parallel run, ``parallelism=Parallelism(n_cp=...)`` of one stage on a
         pool of #CP processes, is priced by default by
         :func:`~tplib.measure.context_parallel.context_parallel_costs` on the profiles of
-        ``p``'s length (every stage's, summed) and simulated with #CP processes sharing
-        the cores, each stretched by the stages' mean contention factor."""
+        ``p``'s length (every stage's, summed) and ``ring_link`` (measured now if
+        unknown), and simulated with #CP processes sharing the cores, each stretched by
+        the stages' mean contention factor."""
         fields: dict[str, Any] = {
             "model": self.model,
             "model_overrides": self.overrides,
@@ -226,7 +232,9 @@ class Bench:
                 f"{layout}: the harness prices context parallelism on one stage alone "
                 "(Parallelism(n_cp=...)); pass costs for other layouts"
             )
-        return context_parallel_costs(self.profiles[seq_len], self.link, layout.n_cp)
+        if self.ring_link is None:
+            self.ring_link = measure_link(_RING_SIZES, exchange=True)
+        return context_parallel_costs(self.profiles[seq_len], self.ring_link, layout.n_cp)
 
     def without_with(self, seq_len: int, pipeline_batch: int, eps: float) -> dict[str, object]:
         """The row of GPipe (microbatches of one sequence) against TeraPipe (the DP's plan)

@@ -268,14 +268,14 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
         q, out, lse, *own = ctx.saved_tensors  # type: ignore[attr-defined]
         layer, group, lo, hi, positions, k_dtype, v_dtype = ctx.where  # type: ignore[attr-defined]
-        if layer is None:
-            block = torch.stack(own)
-        else:
-            block = torch.stack([layer.k[:, :, :hi], layer.v[:, :, :hi]])
+        keys, values = own if layer is None else (layer.k[:, :, :hi], layer.v[:, :, :hi])
         chunk, qpos = q.shape[2] // 2, positions[group.rank, lo:hi]
         grad_out = grad_out.contiguous()
         # The block's keys and values, then their gradient accumulator: one message a step.
-        travel = torch.cat([block.float(), torch.zeros_like(block, dtype=torch.float32)])
+        travel = torch.empty((4, *keys.shape), dtype=torch.float32, device=keys.device)
+        travel[0].copy_(keys)
+        travel[1].copy_(values)
+        travel[2:].zero_()
         grad_q = torch.zeros_like(q, dtype=torch.float32)
         for step in range(group.size):
             if step:

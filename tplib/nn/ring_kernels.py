@@ -71,7 +71,7 @@ def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
     ``lse`` -inf (no keys yet) takes the part as it is."""
     merged = torch.logaddexp(lse, part_lse)
     out.mul_(torch.exp(lse - merged).unsqueeze(-1))
-    out.add_(part * torch.exp(part_lse - merged).unsqueeze(-1))
+    out.addcmul_(part, torch.exp(part_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 
 
