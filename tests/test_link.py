@@ -1,4 +1,4 @@
-"""Measuring the link between two local processes: the fit, and a real ping-pong."""
+"""Measuring the link between two local processes: the fit, and a real ping-pong (or exchange)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def test_fit_needs_two_sizes() -> None:
         fit_link([1e3], [1e-3])
 
 
-def test_measure_link_on_real_processes() -> None:
-    link = measure_link(n_bytes_list=(2**10, 2**16), repeats=3)
+@pytest.mark.parametrize("exchange", [False, True])
+def test_measure_link_on_real_processes(exchange: bool) -> None:
+    """A ping-pong, or both processes sending and receiving at once (a ring's shift)."""
+    link = measure_link(n_bytes_list=(2**10, 2**16), repeats=3, exchange=exchange)
     assert isinstance(link, Link)
     assert math.isfinite(link.bandwidth) and link.bandwidth > 0
     assert math.isfinite(link.latency) and link.latency > 0

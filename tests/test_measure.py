@@ -24,10 +24,12 @@ from tplib.measure import (
     BottleneckCost,
     Measured,
     Profiling,
+    context_parallel_costs,
     grid,
     local_costs,
     simulate_shared,
 )
+from tplib.measure.harness import measured_bench
 from tplib.perfmodel import Profile, profile_pipeline, profile_stage
 from tplib.plan import Plan
 from tplib.reproduce import notebooks_dir
@@ -229,6 +231,25 @@ def test_contention_stretches_work_while_the_other_stage_works() -> None:
         simulate_shared(tera, costs, cores=2, contention=(1.0, 0.0))
 
 
+def test_context_parallel_ranks_share_the_cores_in_step() -> None:
+    """One stage run by two processes at once (#CP = 2): they fit two cores; a busy core
+    more stretches every action by 3/2; a contention factor applies whole, the other
+    rank working throughout. One process alone is stretched by neither."""
+    costs = ConstantCosts(t_f=1.0, t_b=2.0, t_optimizer=0.5)
+    s = make_schedule("terapipe", 1, Plan.uniform(1, 64, n_token_slices=4))
+    alone = simulate(s, costs).latency
+    assert alone == 12.5
+    assert simulate_shared(s, costs, cores=2, processes_per_stage=2).latency == alone
+    busy = simulate_shared(s, costs, cores=2, busy=1, processes_per_stage=2)
+    assert busy.latency == pytest.approx(1.5 * alone, rel=1e-3)
+    both = simulate_shared(s, costs, cores=2, contention=(1.2,), processes_per_stage=2)
+    assert both.latency == pytest.approx(1.2 * alone, rel=1e-3)
+    for kw in ({"busy": 1.0}, {"contention": (1.2,)}):
+        assert simulate_shared(s, costs, cores=2, **kw).latency == alone
+    with pytest.raises(ValueError, match="processes_per_stage=0 must be at least 1"):
+        simulate_shared(s, costs, cores=2, processes_per_stage=0)
+
+
 def test_a_measured_row_reports_the_median_and_the_simulators_error() -> None:
     run = RunConfig(parallelism=Parallelism(n_stages=1), data=Data(batch=1, seq_len=8))
     rank = RankResult(0, 0, 0, (0, 4), iteration_s=[1.0, 2.0, 10.0])
@@ -281,6 +302,24 @@ def test_main_results_measured(link: Link, pools: Callable[[int], LocalPool]) ->
     assert list(df.pipeline_batch) == [1, 2]
     Plan.from_paper(df.plan.iloc[1]).check_covers(2, 64)
     assert "pipeline_batch=2: TeraPipe" in result.findings
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_context_parallel_run_is_measured_beside_its_price(
+    profiles: list[Profile], link: Link, pools: Callable[[int], LocalPool]
+) -> None:
+    """#CP = 2 on the pool of two: the run's ranks are its CP ranks, and its simulation is
+    the one stage priced by ContextParallelCosts on the pipeline's profiles."""
+    with measured_bench("tiny", (), 2, 1, 0, link, Profiling(), False, pools(2)) as bench:
+        bench.profiles[64] = profiles
+        bench.ring_link = link  # not measured again
+        p = Plan.uniform(2, 64, n_token_slices=2)
+        m = bench.run("terapipe", p, parallelism=Parallelism(n_cp=2))
+    assert sorted(r.cp_rank for r in m.result.ranks) == [0, 1] and m.latency > 0
+    costs = context_parallel_costs(profiles, link, 2)
+    f = m.sim_dedicated.timeline.query("kind == 'F' and b == 1 and t == 1")
+    assert float((f.end - f.start).iloc[0]) == pytest.approx(costs.unit_time(True, 1, 32, 32))
+    assert set(m.sim.timeline.stage) == {0}
 
 
 @pytest.mark.usefixtures("quiet")

@@ -4,7 +4,8 @@ Each CP rank runs in a thread of its own, and the ring's ``shift`` is a queue pe
 so the ranks meet exactly as processes would, without any process. The reference is the
 whole model on the whole batch in one call (causal attention, plain autograd): the ranks'
 losses must sum to its loss and their gradients to its gradients, for #CP = 2 and 4,
-whole sequences and token slices, with and without recomputation.
+whole sequences and token slices, with and without recomputation, through the fused CPU
+kernels and through the written-out blocks other devices take.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tplib.nn import ring
 from tplib.nn.configs import check_cp_length, get_config
 from tplib.nn.data import synthetic_batch
 from tplib.nn.model import GPTStage, build_model
@@ -109,6 +111,14 @@ def test_ring_ranks_sum_to_the_whole_model(
     for name, want in want_grads.items():
         got = torch.stack([grads[name] for _, grads in ranks]).sum(0)
         assert_scaled_close(got, want, 1e-5, f"grad {name}")
+
+
+def test_the_written_out_ring_other_devices_take_is_exact_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The masked float32 blocks (off CPU, or not float32) on CPU, with recomputation."""
+    monkeypatch.setattr(ring, "_fused", lambda q: False)
+    test_ring_ranks_sum_to_the_whole_model(2, Plan((1, 1), ((12, 4, 16), (8, 24))), "full", 1)
 
 
 def test_ranks_hold_every_position_once_in_balanced_pairs() -> None:

@@ -7,6 +7,8 @@ module            what it holds
 ``costs``         :class:`LocalCosts` (simulator) and :class:`BottleneckCost` (planner)
                   from measured stage profiles and the measured link
 ``shared``        :func:`simulate_shared`: stages sharing this machine's cores
+``context_       :class:`ContextParallelCosts` (simulator): one stage on #CP local
+parallel``        processes, from the stages' profiles and the link
 ``harness``       :class:`Bench`: profile, plan, run on a pool, simulate beside it
 ================  ====================================================================
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tplib.measure.context_parallel import ContextParallelCosts, context_parallel_costs
 from tplib.measure.options import TABLE_MODEL, Profiling, grid
 from tplib.measure.pricing import BYTES_PER_ACTIVATION, BottleneckCost, LocalCosts, local_costs
 from tplib.measure.shared import SharedCores, simulate_shared
@@ -31,10 +34,12 @@ __all__ = [
     "TABLE_MODEL",
     "Bench",
     "BottleneckCost",
+    "ContextParallelCosts",
     "LocalCosts",
     "Measured",
     "Profiling",
     "SharedCores",
+    "context_parallel_costs",
     "grid",
     "local_costs",
     "measured_bench",

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from tplib.measure.context_parallel import ContextParallelCosts, context_parallel_costs
 from tplib.measure.options import Profiling
 from tplib.measure.pricing import BottleneckCost, LocalCosts, local_costs
 from tplib.measure.shared import simulate_shared
@@ -45,6 +46,9 @@ from tplib.util.machine import busy_cores, cpu_count, threads_per_process
 __all__ = ["Bench", "Measured", "measured_bench"]
 
 Overrides = Mapping[str, object] | Sequence[tuple[str, object]]
+# Message sizes of the ring's exchange link, those of long sequences' K/V blocks (MBs):
+# the fit of a line over kilobytes too underprices them by a third.
+_RING_SIZES = (2**18, 2**20, 2**22, 2**23, 2**24)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class Bench:
     profiles: dict[int, list[Profile]] = field(default_factory=dict)
     costs: dict[int, LocalCosts] = field(default_factory=dict)  # per L, from its profiles
     contention: dict[int, Contention] = field(default_factory=dict)  # per L, if measured
+    # The #CP ring's exchanges (both ranks sending at once); measured at the first CP run.
+    ring_link: Link | None = None
 
     @property
     def cfg(self) -> GPTConfig:
@@ -164,12 +170,14 @@ class Bench:
         """Run ``p`` as ``schedule`` on the pool, beside its simulation with ``costs``
         (default: the profiles' at ``p``'s length). ``options`` are further
         :class:`~tplib.runtime.RunConfig` fields (``optim``, ``recompute``, ...) or
-        replace its defaults (``timing``: the harness's steps and warm-up)."""
-        if self.pool is None:
-            # Started after profiling: its processes' start-up would disturb the timings.
-            self.pool = LocalPool(self.n_stages)
-        # Started and idle before the other jobs' load is sampled, or it would count ours.
-        self.pool.wait_ready()
+        replace its defaults (``timing``: the harness's steps and warm-up).
+
+        A context-parallel run, ``parallelism=Parallelism(n_cp=...)`` of one stage on a
+        pool of #CP processes, is priced by default by
+        :func:`~tplib.measure.context_parallel.context_parallel_costs` on the profiles of
+        ``p``'s length (every stage's, summed) and ``ring_link`` (measured now if
+        unknown), and simulated with #CP processes sharing the cores, each stretched by
+        the stages' mean contention factor."""
         fields: dict[str, Any] = {
             "model": self.model,
             "model_overrides": self.overrides,
@@ -180,6 +188,17 @@ class Bench:
             "timing": Timing(steps=self.iters, warmup=self.warmup),
         }
         run = RunConfig(**(fields | options))
+        layout = run.parallelism
+        if self.pool is None:
+            # Started after profiling: its processes' start-up would disturb the timings.
+            self.pool = LocalPool(layout.world_size)
+        # Started and idle before the other jobs' load is sampled, or it would count ours.
+        self.pool.wait_ready()
+        measured = self.contention.get(p.seq_len)
+        factors = measured.factors if measured else ()
+        if layout.n_cp > 1:
+            costs = costs or self._cp_costs(p.seq_len, layout)
+            factors = (statistics.fmean(factors),) if factors else ()
         costs = costs or self.costs[p.seq_len]
         cores = cpu_count()
         before = busy_cores()
@@ -196,12 +215,26 @@ class Bench:
         threads = run.timing.threads or threads_per_process(
             run.parallelism.world_size
         )  # as LocalPool sets them
-        measured = self.contention.get(p.seq_len)
-        factors = measured.factors if measured else ()
         shared = simulate_shared(
-            run.schedule, costs, cores=cores, busy=busy, threads=threads, contention=factors
+            run.schedule,
+            costs,
+            cores=cores,
+            busy=busy,
+            threads=threads,
+            contention=factors,
+            processes_per_stage=layout.n_cp,
         )
         return Measured(result, shared, simulate(run.schedule, costs), busy, factors)
+
+    def _cp_costs(self, seq_len: int, layout: Parallelism) -> ContextParallelCosts:
+        if layout.n_stages != 1 or layout.world_size != layout.n_cp:
+            raise ValueError(
+                f"{layout}: the harness prices context parallelism on one stage alone "
+                "(Parallelism(n_cp=...)); pass costs for other layouts"
+            )
+        if self.ring_link is None:
+            self.ring_link = measure_link(_RING_SIZES, exchange=True)
+        return context_parallel_costs(self.profiles[seq_len], self.ring_link, layout.n_cp)
 
     def without_with(self, seq_len: int, pipeline_batch: int, eps: float) -> dict[str, object]:
         """The row of GPipe (microbatches of one sequence) against TeraPipe (the DP's plan)

@@ -80,11 +80,13 @@ def _stretch(
     busy: float,
     threads: int,
     contention: Sequence[float],
+    per_stage: int,
 ) -> dict[Key, float]:
     """Per action of LOCAL_WORK: max(1, demand / cores), where demand counts the cores its
-    own stage, the other stages working meanwhile (n, time-averaged) and the other jobs
-    want, times 1 + (c - 1) n / (K - 1), with c its stage's contention factor measured
-    with all K stages working."""
+    own stage's ``per_stage`` processes, those of the other stages working meanwhile (n
+    stages, time-averaged) and the other jobs want, times 1 + (c - 1) m / (P - 1), with c
+    its stage's contention factor measured with all P = K x ``per_stage`` processes
+    working and m = per_stage - 1 + per_stage x n of the others working with it."""
     rows = timeline[timeline.kind.isin([k.value for k in LOCAL_WORK])]
     stages = sorted(int(k) for k in rows["stage"].unique())
     spans = {k: rows.loc[rows.stage == k, ["start", "end"]].to_numpy() for k in stages}
@@ -97,9 +99,11 @@ def _stretch(
                 hi = np.minimum(mine[:, 1:], theirs[:, 1])
                 overlap += np.clip(hi - lo, 0.0, None).sum(axis=1)
         others = overlap / np.maximum(mine[:, 1] - mine[:, 0], 1e-12)
-        factor = np.maximum(1.0, (threads * (1.0 + others) + busy) / cores)
-        if len(spans) > 1 and contention:
-            factor *= 1.0 + (contention[k] - 1.0) * others / (len(contention) - 1)
+        factor = np.maximum(1.0, (threads * per_stage * (1.0 + others) + busy) / cores)
+        peers = per_stage * len(contention) - 1
+        if contention and peers > 0:
+            working = per_stage - 1 + per_stage * others
+            factor *= 1.0 + (contention[k] - 1.0) * working / peers
         part = rows[rows.stage == k]
         keys = zip(part.kind, part.b, part.t, part.chunk, strict=True)
         out |= {
@@ -117,12 +121,15 @@ def simulate_shared(
     busy: float = 0.0,
     threads: int = 1,
     contention: Sequence[float] = (),
+    processes_per_stage: int = 1,
     rounds: int = 50,
     tol: float = 1e-3,
 ) -> SimResult:
     """Simulate ``schedule`` on a machine of ``cores`` cores of which other jobs keep
     ``busy`` busy, each stage's process running ``threads`` threads, stage k's work
     stretching by ``contention[k]`` while all the others work (none: no contention).
+    ``processes_per_stage``: the processes that run each stage's actions together, in
+    step (the #CP ranks of a context-parallel stage, each with ``threads``).
 
     Stages that work at the same time share the cores the other jobs leave, and with n
     threads wanting C cores each runs at C / n of a core (processor sharing, never
@@ -141,14 +148,16 @@ def simulate_shared(
         )
     if any(not c > 0 for c in contention):
         raise ValueError(f"contention={tuple(contention)}: every factor must be positive")
+    if processes_per_stage < 1:
+        raise ValueError(f"processes_per_stage={processes_per_stage} must be at least 1")
     busy = busy if np.isfinite(busy) else 0.0
     shared = SharedCores(costs)
     sim = simulate(schedule, shared)
-    crowded = threads * schedule.n_stages + busy > cores
+    crowded = threads * schedule.n_stages * processes_per_stage + busy > cores
     if not crowded and all(c == 1.0 for c in contention):
         return sim
     for _ in range(rounds):
-        target = _stretch(sim.timeline, cores, busy, threads, contention)
+        target = _stretch(sim.timeline, cores, busy, threads, contention, processes_per_stage)
         change = max((abs(v - shared.scale.get(key, 1.0)) for key, v in target.items()), default=0)
         shared.scale = {key: 0.5 * (shared.scale.get(key, 1.0) + v) for key, v in target.items()}
         sim = simulate(schedule, shared)

@@ -127,6 +127,9 @@ MODELS: dict[str, GPTConfig] = {
         GPTConfig("tiny", n_layer=4, hidden=32, n_head=4, seq_len=64, vocab_size=96),
         GPTConfig("mini", n_layer=4, hidden=128, n_head=4, seq_len=512, vocab_size=512),
         GPTConfig("small", n_layer=8, hidden=512, n_head=8, seq_len=4096, vocab_size=2048),
+        # The "small" family at L = 8192, narrow enough for a 2-core CPU: where attention
+        # dominates, for context parallelism (#CP) against a pipeline on local processes.
+        GPTConfig("long", n_layer=4, hidden=256, n_head=4, seq_len=8192, vocab_size=2048),
     )
 }
 

@@ -16,11 +16,14 @@ slicing being the same on every rank). For slice t at ``[start, end)`` each rank
 and values of positions ``[0, end)`` are the first ``end / #CP`` slots of its buffers, one
 *block* of the same shape on every rank. A rank computes its queries against its own
 block, then #CP - 1 times passes the block it holds to the next rank and receives one
-from the previous (:attr:`CPGroup.shift`), masking by global position (query position >=
-key position) and merging the partial outputs by their log-sum-exp, as
-:mod:`tplib.nn.context`'s split attention merges its two parts. The first block, its own,
-holds every query's own position, so every row's log-sum-exp is finite from then on and
-a block that hides all of a row's keys adds nothing to it.
+from the previous (:attr:`CPGroup.shift`), merging the partial outputs by their
+log-sum-exp, as :mod:`tplib.nn.context`'s split attention merges its two parts. The
+first block, its own, holds every query's own position, so every row's log-sum-exp is
+finite from then on and a block that hides all of a row's keys adds nothing to it.
+Because chunks are cut along slices, a query chunk sees each block as at most two
+contiguous key ranges, one whole and one causal, so on CPU (float32) every block is a
+few calls of the fused flash kernel without a mask; elsewhere it is written out in
+float32, masked by global position (:mod:`tplib.nn.ring_kernels`).
 
 Backward goes round the ring once more. Each block travels with a gradient accumulator
 for its keys and values; at each step a rank adds its queries' contribution
@@ -57,6 +60,13 @@ from torch import Tensor
 
 from tplib.nn.configs import check_cp_length
 from tplib.nn.context import LayerContext, StageContext
+from tplib.nn.ring_kernels import (
+    fused_backward,
+    fused_forward,
+    masked_backward,
+    masked_forward,
+    pieces,
+)
 from tplib.nn.selective import Core, attention_core
 
 __all__ = [
@@ -192,30 +202,6 @@ def _ring_core(
     return out
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` over one block (float32): its output and log-sum-exp, -inf on
-    rows whose every key ``mask`` hides (their output is 0)."""
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse.isinf(), 0.0).unsqueeze(-1))
-    return probs @ v, lse
-
-
-def _block_backward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One block's share of the gradients (float32), given the merged output and
-    log-sum-exp of all blocks: its probabilities are exactly their part of the softmax."""
-    scale = q.shape[-1] ** -0.5
-    scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    grad_v = probs.transpose(-1, -2) @ grad_out
-    grad_probs = grad_out @ v.transpose(-1, -2)
-    grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True))
-    return grad_scores @ k * scale, grad_scores.transpose(-1, -2) @ q * scale, grad_v
-
-
 def _layout(
     k: Tensor, v: Tensor, layer: RingContext | None, start: int, group: CPGroup
 ) -> tuple[int, int, Tensor, Tensor]:
@@ -239,6 +225,11 @@ def _layout(
     return lo, hi, torch.stack([layer.k[:, :, :hi], layer.v[:, :, :hi]]), layer.positions[:, :hi]
 
 
+def _fused(q: Tensor) -> bool:
+    """Whether ``q``'s blocks take the fused CPU kernels (:mod:`tplib.nn.ring_kernels`)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -251,20 +242,21 @@ class _RingAttention(torch.autograd.Function):
         group: CPGroup,
     ) -> Tensor:
         lo, hi, block, positions = _layout(k, v, layer, start, group)
-        qf, qpos = q.float(), positions[group.rank, lo:hi]
-        out, lse = _block(
-            qf, block[0].float(), block[1].float(), qpos[:, None] >= positions[group.rank]
-        )
-        for step in range(1, group.size):
-            block = group.shift(block.contiguous())
+        chunk, qpos = q.shape[2] // 2, positions[group.rank, lo:hi]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(group.size):
+            if step:
+                block = group.shift(block.contiguous())
+            # The first block is the rank's own: it holds every query's own position, so
+            # every row's log-sum-exp is finite from then on.
             owner = (group.rank - step) % group.size
-            mask = qpos[:, None] >= positions[owner]
-            part, part_lse = _block(qf, block[0].float(), block[1].float(), mask)
-            merged = torch.logaddexp(lse, part_lse)
-            out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(
-                part_lse - merged
-            ).unsqueeze(-1)
-            lse = merged
+            if _fused(q):
+                calls = pieces(group.rank, owner, lo, chunk)
+                fused_forward(q, block[0], block[1], calls, out, lse)
+            else:
+                mask = qpos[:, None] >= positions[owner]
+                masked_forward(q, block[0], block[1], mask, out, lse)
         ctx.save_for_backward(q, out, lse, *(() if layer is not None else (k, v)))
         where = (layer, group, lo, hi, positions.clone(), k.dtype, v.dtype)
         ctx.where = where  # type: ignore[attr-defined]
@@ -276,23 +268,26 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
         q, out, lse, *own = ctx.saved_tensors  # type: ignore[attr-defined]
         layer, group, lo, hi, positions, k_dtype, v_dtype = ctx.where  # type: ignore[attr-defined]
-        if layer is None:
-            block = torch.stack(own)
-        else:
-            block = torch.stack([layer.k[:, :, :hi], layer.v[:, :, :hi]])
-        qf, qpos, dout = q.float(), positions[group.rank, lo:hi], grad_out.float()
+        keys, values = own if layer is None else (layer.k[:, :, :hi], layer.v[:, :, :hi])
+        chunk, qpos = q.shape[2] // 2, positions[group.rank, lo:hi]
+        grad_out = grad_out.contiguous()
         # The block's keys and values, then their gradient accumulator: one message a step.
-        travel = torch.cat([block.float(), torch.zeros_like(block, dtype=torch.float32)])
-        grad_q = torch.zeros_like(qf)
+        travel = torch.empty((4, *keys.shape), dtype=torch.float32, device=keys.device)
+        travel[0].copy_(keys)
+        travel[1].copy_(values)
+        travel[2:].zero_()
+        grad_q = torch.zeros_like(q, dtype=torch.float32)
         for step in range(group.size):
             if step:
                 travel = group.shift(travel)
             owner = (group.rank - step) % group.size
-            mask = qpos[:, None] >= positions[owner]
-            dq, dk, dv = _block_backward(qf, travel[0], travel[1], mask, out, lse, dout)
-            grad_q += dq
-            travel[2] += dk
-            travel[3] += dv
+            into = (grad_q, travel[2], travel[3])
+            if _fused(q):
+                calls = pieces(group.rank, owner, lo, chunk)
+                fused_backward(q, travel[0], travel[1], calls, out, lse, grad_out, into)
+            else:
+                mask = qpos[:, None] >= positions[owner]
+                masked_backward(q, travel[0], travel[1], mask, out, lse, grad_out, into)
         # One more step takes each accumulator home to its block's owner.
         grads = group.shift(travel[2:].contiguous()) if group.size > 1 else travel[2:]
         if layer is None:

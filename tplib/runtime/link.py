@@ -4,6 +4,12 @@
 of a fresh process group and fits ``latency + n_bytes / bandwidth`` to the one-way times
 (:func:`fit_link`). The simulator prices the measured tables' sends and the gradient
 all-reduce with the result, a :class:`~tplib.sim.costs.Link`.
+
+With ``exchange`` it times instead what a ring's shift does (:mod:`tplib.nn.ring`): both
+processes send a freshly written message and receive one into new memory, at once. Over
+loopback the two messages' copies share the same cores, and the receive first touches
+its pages, so an exchange of 8 MB takes several times the one-way time of a ping-pong
+reusing its buffer; the context-parallel ring is priced with this link.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ __all__ = ["fit_link", "measure_link"]
 
 
 def _ping_pong_worker(
-    rank: int, port: int, backend: str, sizes: list[int], repeats: int, results: Any
+    rank: int,
+    port: int,
+    backend: str,
+    sizes: list[int],
+    repeats: int,
+    results: Any,
+    exchange: bool = False,
 ) -> None:
     try:
         torch.set_num_threads(1)  # copying bytes needs no thread pool
@@ -49,8 +61,20 @@ def _ping_pong_worker(
             for i in range(repeats + 2):  # two untimed round trips set the connection up
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+                if exchange:
+                    # As the ring does: a fresh block sent, received into new memory
+                    # (whose pages the receive first touches), both ranks at once.
+                    sent, got = buf.clone(), torch.empty_like(buf)
+                    dist.barrier()
                 t0 = time.perf_counter()
-                if rank == 0:
+                if exchange:
+                    pair = [
+                        dist.P2POp(dist.isend, sent, 1 - rank),
+                        dist.P2POp(dist.irecv, got, 1 - rank),
+                    ]
+                    for work in dist.batch_isend_irecv(pair):
+                        work.wait()
+                elif rank == 0:
                     dist.send(buf, 1)
                     dist.recv(buf, 1)
                 else:
@@ -59,7 +83,7 @@ def _ping_pong_worker(
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if i >= 2:
-                    times.append((time.perf_counter() - t0) / 2)
+                    times.append((time.perf_counter() - t0) / (1 if exchange else 2))
             # The least time: a round trip is only ever slowed down by other work.
             one_way.append(min(times))
         if rank == 0:
@@ -98,12 +122,16 @@ def measure_link(
     repeats: int = 10,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    *,
+    exchange: bool = False,
 ) -> Link:
     """Bandwidth (bytes/s) and latency (s) of the link between two local processes, from
     a ping-pong: the one-way time of each message size is half the least round-trip time
     over ``repeats``, and :func:`fit_link` fits them. ``backend`` "gloo" times CPU
     tensors over loopback, "nccl" GPU tensors. Takes a few seconds, mostly the two
-    processes' start."""
+    processes' start. With ``exchange`` the times are of both processes sending and
+    receiving a message of each size at once (the ring's shift), the least of
+    ``repeats``."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU) or 'nccl' (GPU)")
     sizes = sorted({4 * (int(n) // 4) for n in n_bytes_list})
@@ -117,7 +145,9 @@ def measure_link(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_ping_pong_worker, args=(r, port, backend, sizes, repeats, results), daemon=True
+            target=_ping_pong_worker,
+            args=(r, port, backend, sizes, repeats, results, exchange),
+            daemon=True,
         )
         for r in range(2)
     ]
