@@ -47,7 +47,7 @@ MODES: tuple[Mode, ...] = ("simulate", "measure")
 # Wall times of tplib's own code (planning, profiling): they vary from run to run, so
 # comparisons with a reference leave them out. Everything else in a simulated table is
 # deterministic.
-TIMING_COLUMNS = frozenset({"plan_seconds", "profile_seconds"})
+TIMING_COLUMNS = frozenset({"plan_seconds", "profile_seconds", "search_seconds"})
 
 
 def is_timing(column: str) -> bool:
