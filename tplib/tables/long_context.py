@@ -225,23 +225,21 @@ def findings(df: pd.DataFrame) -> str:
     lines = []
     for study, part in w.groupby("study", sort=False):
         lines.append(f"- **{study}**:")
-        for r in part.itertuples():
-            if r.winner == "nothing fits":
-                lines.append(f"  - L={r.seq_len}: no method fits.")
+        for r in part.to_dict("records"):
+            if r["winner"] == "nothing fits":
+                lines.append(f"  - L={r['seq_len']}: no method fits.")
                 continue
-            tie = (
-                f" (tied with {r.tied_with})"
-                if isinstance(r.tied_with, str) and r.tied_with
-                else ""
-            )
-            runner = getattr(r, "runner_up", None)
-            over = (f", {r.margin:.2f}x ahead of {runner} ({r.why})"
+            tied = r.get("tied_with")
+            tie = f" (tied with {tied})" if isinstance(tied, str) and tied else ""
+            runner = r.get("runner_up")
+            over = (f", {r['margin']:.2f}x ahead of {runner} ({r['why']})"
                     if isinstance(runner, str) else ", the only method that fits")  # fmt: skip
-            base = (f"; {r.speedup_over_1f1b:.2f}x over 1F1B"
-                    if not math.isnan(r.speedup_over_1f1b) else "; 1F1B does not fit")  # fmt: skip
+            gain = float(r["speedup_over_1f1b"])
+            base = f"; {gain:.2f}x over 1F1B" if not math.isnan(gain) else "; 1F1B does not fit"
             lines.append(
-                f"  - L={r.seq_len}: `{r.winner}`{tie} on {r.layout} ({r.recompute} "
-                f"recomputation), MFU {r.mfu:.1%}, {r.memory_gib:.0f} GiB{over}{base}."
+                f"  - L={r['seq_len']}: `{r['winner']}`{tie} on {r['layout']} "
+                f"({r['recompute']} recomputation), MFU {r['mfu']:.1%}, "
+                f"{r['memory_gib']:.0f} GiB{over}{base}."
             )
     return "\n".join(lines)
 
@@ -251,7 +249,7 @@ def dp_summary(comparisons: pd.DataFrame) -> str:
     per study: is the DP ever slower, and by how much Seq1F1B's slicing is."""
     lines = []
     for study, part in comparisons.groupby("study", sort=False):
-        worst = part.loc[part.margin.idxmax()]
+        worst = part.sort_values("margin").iloc[-1]
         never = "never slower" if (part.margin >= 0).all() else "SLOWER somewhere"
         lines.append(
             f"- **{study}**: the DP is {never} than Seq1F1B's equal-FLOP slicing at "
@@ -286,7 +284,7 @@ def figure(rows: Rows) -> Figure:
 
 def measured_findings(df: pd.DataFrame) -> str:
     """The measured comparison on this machine: the fastest, and the simulator's errors."""
-    best = df.loc[df.latency.idxmin()]
+    best = df.sort_values("latency").iloc[0]
     errors = ", ".join(f"{r.method} {r.err_simulated_latency:+.1%}" for r in df.itertuples())
     worst = df.err_simulated_latency.abs().max()
     spread = ", ".join(
