@@ -163,20 +163,10 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default="both",
         help="recomputation to search: none, selective, full, both (none and full) or all",
     )
-    p.add_argument(
-        "--schedules",
-        nargs="+",
-        choices=SEARCHED_SCHEDULES,
-        default=["terapipe"],
-        help="the schedules to search (default terapipe; seq1f1b: Seq1F1B's slicing)",
-    )
-    p.add_argument(
-        "--cp",
-        nargs="+",
-        type=integer(0),
-        default=[1],
-        help="#CP values to search (default 1); 0 alone: every one that can run",
-    )
+    p.add_argument("--schedules", nargs="+", choices=SEARCHED_SCHEDULES, default=["terapipe"],
+                   help="the schedules to search (default terapipe)")  # fmt: skip
+    p.add_argument("--cp", nargs="+", type=integer(0), default=[1],
+                   help="#CP values to search (default 1); 0 alone: every one that can run")  # fmt: skip
     p.add_argument("--top", type=COUNT, default=5, help="configurations to print")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write the best layout's torchrun config here (JSON)")
