@@ -18,7 +18,7 @@ exact); with v = 1 it is TeraPipe's objective.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -133,26 +133,7 @@ def plan_slices(
     methods = {"exact": exact_joint, "paper": paper_joint}
     if method not in methods:
         raise ValueError(f"method={method!r}: choose 'exact' or 'paper'")
-    if method == "exact":
-        return exact_joint(
-            cost,
-            seq_len=seq_len,
-            batch=batch,
-            n_stages=n_stages,
-            granularity=granularity,
-            eps=eps,
-            max_batch_slice_size=max_batch_slice_size,
-            n_chunks=n_chunks,
-            memory=memory,
-            capacity=capacity,
-        )
-    if memory is not None or capacity is not None:
-        raise ValueError(
-            "method='paper' with a memory limit: the memory-aware planner minimises the "
-            "true fill-drain latency; use method='exact'"
-        )
-    return paper_joint(
-        cost,
+    common: dict[str, Any] = dict(
         seq_len=seq_len,
         batch=batch,
         n_stages=n_stages,
@@ -161,3 +142,11 @@ def plan_slices(
         max_batch_slice_size=max_batch_slice_size,
         n_chunks=n_chunks,
     )
+    if method == "exact":
+        return exact_joint(cost, **common, memory=memory, capacity=capacity)
+    if memory is not None or capacity is not None:
+        raise ValueError(
+            "method='paper' with a memory limit: the memory-aware planner minimises the "
+            "true fill-drain latency; use method='exact'"
+        )
+    return paper_joint(cost, **common)
