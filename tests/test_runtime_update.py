@@ -23,7 +23,7 @@ from tplib.runtime.update import Update
 class _OneRank:
     """What Update asks of RankGroups, for a run of one rank."""
 
-    replica = op_rank = 0
+    replica = op_rank = reduce_index = 0
 
     def all_reduce(
         self, tensor: Tensor, group: object, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
