@@ -25,10 +25,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
-# Lint and type-check first; pytest exits 5 when it collects no tests, which is not a
-# failure of the suite.
+# Lint and type-check first. Then the suite in two passes: the tests that run in pytest's
+# own process on two workers (pytest-xdist; each torch on one thread), and after them, on
+# their own, the tests that start processes or run notebooks (tests/conftest.py marks
+# them), whose 2-process pipelines need both cores. pytest exits 5 when a pass collects no
+# tests, which is not a failure of the suite.
 test: lint
-	@$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
+	  -m "not (system or notebook)"; rc=$$?; \
+	if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; \
+	$(PY) -m pytest -q -p no:cacheprovider -m "system or notebook"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The fast tier, for the edit-test loop: under 2 minutes on 2 cores. pytest only, no lint
