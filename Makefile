@@ -40,9 +40,10 @@ test: lint
 # The fast tier, for the edit-test loop: under 2 minutes on 2 cores. pytest only, no lint
 # (make lint for that). It leaves out the tests marked slow, system (they start processes),
 # notebook and cuda (tests/conftest.py marks them), but keeps one runtime exactness case per
-# schedule (marked fast); each hypothesis property tries a few examples.
+# schedule (marked fast); each hypothesis property tries a few examples. Two pytest-xdist
+# workers, each torch on one thread.
 test-fast: $(STAMP)
-	@HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -p no:cacheprovider \
+	@HYPOTHESIS_PROFILE=quick OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
 	  -m "fast or not (slow or system or notebook or cuda)"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
