@@ -54,6 +54,8 @@ from tplib.search.pricing import (
     TOKEN_SCHEDULES,
     Layout,
     Slicing,
+    layout_cost_model,
+    op_implementation,
     price,
     seq1f1b_slicing,
     token_slices_of,
@@ -277,22 +279,14 @@ def autoplan(
             f"divide the batch; schedules {schedules} ask more (interleaving v > 1 "
             "dividing a stage's layers, Megatron's microbatches a multiple of #Pipe)"
         )
-    impls = {
-        op: replace(implementation, sequence_parallel=False)
-        if op == 1 and implementation.sequence_parallel
-        else implementation
-        for op in {lay.n_op for lay in found}
-    }
     bases: dict[tuple[int, int, int, str, int], ClusterCostModel] = {}
     costs, floors, slices = {}, {}, {}
     for lay in found:
         key = (lay.n_data, lay.n_stages, lay.n_op, lay.recompute, lay.n_cp)
         if key not in bases:
-            bases[key] = ClusterCostModel(
-                cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, seq_len=L,
-                calibration=calibration, hardware=hw, recompute=lay.recompute,
-                implementation=impls[lay.n_op], n_cp=lay.n_cp,
-            )  # fmt: skip
+            bases[key] = layout_cost_model(
+                cfg, lay, L, calibration=calibration, hardware=hw, implementation=implementation
+            )
         costs[lay] = bases[key].placed(interleaved(lay.n_stages, lay.n_chunks))
         grid = math.lcm(granularity, 2 * lay.n_cp) if lay.n_cp > 1 else granularity
         slices[lay] = token_slices_of(cfg, lay, L, grid, slicing)
@@ -304,7 +298,9 @@ def autoplan(
     best: float = math.inf
     for lay in sorted(found, key=floors.__getitem__):
         b = batch // lay.n_data
-        mem_floor = memory_floor(cfg, lay, L, b, calibration, impls[lay.n_op])
+        mem_floor = memory_floor(
+            cfg, lay, L, b, calibration, op_implementation(implementation, lay.n_op)
+        )
         if mem_floor > hw.gpu_memory:
             out.append(Candidate(lay, "out of memory", floors[lay], mem_floor))
         elif floors[lay] >= best:

@@ -56,7 +56,7 @@ from tplib.nn.configs import GPTConfig, get_config
 from tplib.partition.chain import DoesNotFit
 from tplib.search.layout import Candidate, NoLayout, autoplan
 from tplib.search.megatron import model_flops
-from tplib.search.pricing import Slicing
+from tplib.search.pricing import Layout, Slicing, layout_cost_model
 
 __all__ = [
     "GRID_STEPS",
@@ -66,6 +66,7 @@ __all__ = [
     "LongContextResult",
     "best_layout",
     "layout_cost",
+    "search_grid",
 ]
 
 GRID_STEPS = 64  # token-grid steps per sequence for the TeraPipe planners
@@ -206,7 +207,7 @@ def best_layout(
             implementation=platform.implementation,
             schedules=schedules,
             context_parallel=cps,
-            granularity=max(8, seq_len // GRID_STEPS),
+            granularity=search_grid(seq_len),
             slicing=slicing,
             accumulate=True,
         )
@@ -243,30 +244,34 @@ def _result(
     )
 
 
+def search_grid(seq_len: int, n_cp: int = 1) -> int:
+    """The token planners' grid at ``seq_len``: L / :data:`GRID_STEPS` tokens, at least 8,
+    and a multiple of 2 #CP where #CP > 1 (as :func:`~tplib.search.layout.autoplan` makes
+    it for a context-parallel layout)."""
+    grid = max(8, seq_len // GRID_STEPS)
+    return math.lcm(grid, 2 * n_cp) if n_cp > 1 else grid
+
+
 def layout_cost(
     result: LongContextResult,
     platform: Platform = LONG_CONTEXT,
     calibration: Calibration | None = None,
 ) -> ClusterCostModel:
     """The cluster cost model of ``result``'s layout (which must fit), as the search priced
-    it: its #Data, #CP, #Pipe, #Op and recomputation, sequence parallelism only where
-    #Op > 1."""
+    it (:func:`~tplib.search.pricing.layout_cost_model`)."""
     if not result.fits or result.pp is None or result.tp is None:
         raise ValueError(f"{result.method} at L={result.seq_len} has no layout: {result.reason}")
-    impl = platform.implementation
-    if result.tp == 1 and impl.sequence_parallel:
-        impl = replace(impl, sequence_parallel=False)
     hw = replace(platform.hardware, gpu_memory=result.budget_gib * 2**30)
     cfg = _model(result.model)
-    return ClusterCostModel(
+    lay = Layout(
+        n_data=result.dp or 1, n_stages=result.pp, n_op=result.tp,
+        recompute=result.recompute, n_cp=result.cp or 1,
+    )  # fmt: skip
+    return layout_cost_model(
         cfg if cfg.seq_len >= result.seq_len else cfg.with_(seq_len=result.seq_len),
-        n_stages=result.pp,
-        n_op=result.tp,
-        n_data=result.dp or 1,
-        seq_len=result.seq_len,
+        lay,
+        result.seq_len,
         calibration=calibration or CALIBRATIONS[hw.name],
         hardware=hw,
-        recompute=result.recompute,
-        implementation=impl,
-        n_cp=result.cp or 1,
+        implementation=platform.implementation,
     )

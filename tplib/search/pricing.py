@@ -32,7 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from tplib.cluster import ClusterCostModel
+from tplib.cluster import Calibration, ClusterCostModel
+from tplib.cluster.hardware import Hardware
+from tplib.cluster.implementation import Implementation
 from tplib.cluster.memory import schedule_memory_per_gpu
 from tplib.nn.configs import GPTConfig
 from tplib.plan import Plan
@@ -50,6 +52,8 @@ __all__ = [
     "Layout",
     "Priced",
     "Slicing",
+    "layout_cost_model",
+    "op_implementation",
     "periodic",
     "price",
     "price_microbatches",
@@ -125,6 +129,33 @@ class Priced:
 
 
 S = TypeVar("S")
+
+
+def op_implementation(implementation: Implementation, n_op: int) -> Implementation:
+    """``implementation`` on #Op = ``n_op`` GPUs per stage: sequence parallelism, which
+    splits tokens over a stage's #Op ranks, dropped where there is one."""
+    if n_op == 1 and implementation.sequence_parallel:
+        return replace(implementation, sequence_parallel=False)
+    return implementation
+
+
+def layout_cost_model(
+    cfg: GPTConfig,
+    lay: Layout,
+    seq_len: int,
+    *,
+    calibration: Calibration,
+    hardware: Hardware,
+    implementation: Implementation,
+) -> ClusterCostModel:
+    """The cluster cost model of ``lay``'s #Data, #CP, #Pipe, #Op and recomputation at
+    ``seq_len`` (before any placement of chunks), running ``implementation`` as
+    :func:`op_implementation` fits it to the layout's #Op."""
+    return ClusterCostModel(
+        cfg, n_stages=lay.n_stages, n_op=lay.n_op, n_data=lay.n_data, seq_len=seq_len,
+        calibration=calibration, hardware=hardware, recompute=lay.recompute,
+        implementation=op_implementation(implementation, lay.n_op), n_cp=lay.n_cp,
+    )  # fmt: skip
 
 
 def periodic(

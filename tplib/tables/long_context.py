@@ -54,12 +54,12 @@ from tplib.cluster.calibration import CALIBRATIONS
 from tplib.cluster.implementation import PAPER_PLATFORM, Platform
 from tplib.planner.seq1f1b import FlopModel, compare_with_dp
 from tplib.search.long_context import (
-    GRID_STEPS,
     LONG_CONTEXT,
     METHODS,
     LongContextResult,
     best_layout,
     layout_cost,
+    search_grid,
 )
 from tplib.tables.base import Comparison, Rows, Table, TableMode
 from tplib.tables.long_context_measure import measure
@@ -141,8 +141,7 @@ def _dp_vs_seq1f1b(study: Study, seq: LongContextResult) -> dict[str, Any]:
     pipeline's sequences, on the layout's grid, every k of Seq1F1B tried."""
     cost = layout_cost(seq, study.platform, CALIBRATIONS[study.platform.hardware.name])
     cp = seq.cp or 1
-    grid = math.lcm(max(8, seq.seq_len // GRID_STEPS), 2 * cp) if cp > 1 else None
-    granularity = grid or max(8, seq.seq_len // GRID_STEPS)
+    granularity = search_grid(seq.seq_len, cp)
     size = seq.microbatch or 1
     pipeline_batch = seq.batch // (seq.dp or 1)
     c = compare_with_dp(
