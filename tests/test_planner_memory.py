@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.test_planner import compositions
 from tplib.plan import Plan
 from tplib.planner import NothingFitsError, TableCost, exact_joint, peak_bytes, plan_slices
 from tplib.schedule import Kind, make_schedule
@@ -45,19 +46,6 @@ class Bytes:
 
     def working(self, batch_slice_size: int, length: np.ndarray, context: np.ndarray) -> np.ndarray:
         return self.table[batch_slice_size - 1, np.asarray(length) // G, np.asarray(context) // G]
-
-
-@cache
-def compositions(n: int) -> tuple[tuple[int, ...], ...]:
-    out = []
-    for cuts in itertools.product((False, True), repeat=n - 1):
-        parts, last = [], 0
-        for pos, cut in enumerate(cuts, start=1):
-            if cut:
-                parts.append(pos - last)
-                last = pos
-        out.append((*parts, n - last))
-    return tuple(out)
 
 
 @cache
