@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # whatever the layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("util",),
-    ("plan",),
+    ("plan", "documents"),
     ("schedule",),
     ("nn",),
     ("paper", "published"),
