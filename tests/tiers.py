@@ -72,6 +72,12 @@ PROCESS_NAMES = frozenset(
 # parametrisation, "module::function[id]" for one.
 SLOW = frozenset(
     {
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[split-none]",
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[split-full]",
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[split-selective]",
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[masked-none]",
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[masked-full]",
+        "test_nn_doc_attention.py::test_sliced_packed_rows_match_documents_run_alone[masked-selective]",
         "test_cli.py::test_run_writes_a_setting_config_and_prints_how_to_launch_it",
         "test_cli.py::test_simulate_prints_the_paper_s_numbers_beside_ours[argv1-4-paper1]",
         "test_cli.py::test_table_command_prints_and_saves",

@@ -20,6 +20,7 @@ row's length, go backwards or repeat (a document of length 0).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -41,7 +42,7 @@ def check_bounds(bounds: Sequence[int], seq_len: int, row: int = 0) -> tuple[int
             f"row {row}: document boundaries {out} must start at 0 and hold at least one "
             "document (0, ..., L)"
         )
-    for a, b in zip(out, out[1:], strict=False):
+    for a, b in itertools.pairwise(out):
         if b <= a:
             rule = "a document of length 0" if b == a else "boundaries out of order"
             raise ValueError(
@@ -113,11 +114,11 @@ class Documents:
 
     def lengths(self, row: int) -> tuple[int, ...]:
         b = self.bounds[row]
-        return tuple(y - x for x, y in zip(b, b[1:], strict=False))
+        return tuple(y - x for x, y in itertools.pairwise(b))
 
     def rows(self, first: int, n: int) -> Documents:
         """The boundaries of rows ``[first, first + n)``: a batch slice's."""
-        if not (0 <= first and n >= 1 and first + n <= self.batch):
+        if not (first >= 0 and n >= 1 and first + n <= self.batch):
             raise ValueError(f"rows [{first}, {first + n}) outside the batch of {self.batch}")
         return Documents(self.bounds[first : first + n], self.seq_len)
 

@@ -48,9 +48,11 @@ __all__ = [
     "LayerContext",
     "ProbsDropout",
     "StageContext",
+    "append_kv",
     "attention_impls",
     "causal_attention",
     "math_attention",
+    "merge_partials",
     "slice_attention",
 ]
 
@@ -199,6 +201,26 @@ class _AppendKV(torch.autograd.Function):
         return grads[0], grads[1], None, None
 
 
+def append_kv(k: Tensor, v: Tensor, layer: LayerContext, start: int) -> tuple[Tensor, Tensor]:
+    """Write a slice's keys and values into ``layer`` at ``start``; return the context's
+    keys and values ``[0, end)`` as the slice's graph sees them (gradients routed as the
+    module describes)."""
+    keys, values = _AppendKV.apply(k, v, layer, start)
+    return keys, values
+
+
+def merge_partials(
+    out: Tensor, lse: Tensor, out_other: Tensor, lse_other: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Attention over two disjoint sets of keys merged into attention over both, from each
+    part's output and log-sum-exp: the merged output and log-sum-exp."""
+    merged = torch.logaddexp(lse, lse_other)
+    out = out * torch.exp(lse - merged).unsqueeze(-1) + out_other * torch.exp(
+        lse_other - merged
+    ).unsqueeze(-1)
+    return out, merged
+
+
 def math_attention(
     q: Tensor, keys: Tensor, values: Tensor, start: int, probs_dropout: ProbsDropout
 ) -> Tensor:
@@ -244,7 +266,7 @@ def slice_attention(
         layer.grad_k.zero_()
         layer.grad_v.zero_()
     if probs_dropout is not None:
-        keys, values = _AppendKV.apply(k, v, layer, start)
+        keys, values = append_kv(k, v, layer, start)
         core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout)
         return attention_core(core, q, keys, values, recompute=recompute)
     impl = layer.impl or (
@@ -257,7 +279,7 @@ def slice_attention(
         core = partial(_split_attention, layer=layer, start=start)
         return attention_core(core, q, k, v, recompute=recompute)
     if impl == "masked":
-        keys, values = _AppendKV.apply(k, v, layer, start)
+        keys, values = append_kv(k, v, layer, start)
         mask = None if start == 0 else _mask(q.shape[2], end, q.device)
         core = partial(_masked_attention, mask=mask)
         return attention_core(core, q, keys, values, recompute=recompute)
@@ -308,11 +330,7 @@ class _SplitAttention(torch.autograd.Function):
         out, lse = _flash(q, k, v, is_causal=True)[:2]
         if start:
             out_ctx, lse_ctx = _flash(q, layer.k[:, :, :start], layer.v[:, :, :start])[:2]
-            merged = torch.logaddexp(lse, lse_ctx)
-            out = out * torch.exp(lse - merged).unsqueeze(-1) + out_ctx * torch.exp(
-                lse_ctx - merged
-            ).unsqueeze(-1)
-            lse = merged
+            out, lse = merge_partials(out, lse, out_ctx, lse_ctx)
         ctx.save_for_backward(q, out, lse)
         ctx.layer, ctx.start, ctx.end = layer, start, end  # type: ignore[attr-defined]
         return out

@@ -4,16 +4,63 @@ Iteration latency and exactness do not depend on what the tokens say, so tplib t
 seeded random token ids: every process and every reference run draws the same batch.
 Statistical efficiency does depend on it: :func:`training_batch` also serves byte-level
 text of the Python standard library's sources (:mod:`tplib.nn.corpus`), available offline.
+
+Rows of whole documents come from :func:`document_batch`: the documents of a
+:data:`DOCUMENT_SOURCES` source (each stdlib file, or seeded log-normal lengths,
+:mod:`tplib.nn.doc_sources`) placed into rows by a :data:`PACKINGS` method
+(:mod:`tplib.packing`), with their boundaries.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tplib.nn.configs import GPTConfig
 
-__all__ = ["batch_rows", "synthetic_batch", "training_batch"]
+if TYPE_CHECKING:
+    from tplib.nn.doc_sources import PackedBatch
+
+__all__ = [
+    "DOCUMENT_SOURCES",
+    "PACKINGS",
+    "batch_rows",
+    "document_batch",
+    "synthetic_batch",
+    "training_batch",
+]
+
+# Sources of whole documents, and how rows are filled with them: packed first-fit
+# decreasing, packed greedily in stream order, or one document per row padded to L.
+DOCUMENT_SOURCES = ("corpus-documents", "lognormal-documents")
+PACKINGS = ("ffd", "greedy", "pad")
+
+
+def document_batch(
+    cfg: GPTConfig, source: str, batch: int, seq_len: int, seed: int, packing: str = "ffd"
+) -> PackedBatch:
+    """Iteration ``seed``'s ``batch`` rows of ``seq_len`` tokens of whole documents from
+    ``source`` (documents longer than a row are cut into rows' lengths, each piece its
+    own document), with their boundaries and :data:`~tplib.documents.IGNORE` targets."""
+    if source not in DOCUMENT_SOURCES:
+        raise ValueError(f"document source {source!r}: choose one of {DOCUMENT_SOURCES}")
+    if packing not in PACKINGS:
+        raise ValueError(f"packing {packing!r}: choose one of {PACKINGS}")
+    _check_length(cfg, seq_len)
+    from tplib.nn.doc_sources import packed_batch  # the corpus is read on first use
+
+    return packed_batch(
+        source.removesuffix("-documents"),
+        batch=batch,
+        seq_len=seq_len,
+        seed=seed,
+        vocab_size=cfg.vocab_size,
+        method="ffd" if packing == "pad" else packing,
+        split_long=True,
+        pad=packing == "pad",
+    )
 
 
 def batch_rows(

@@ -5,7 +5,8 @@ The model reads top to bottom: :class:`CausalSelfAttention`, :class:`MLP`,
 a contiguous range of blocks; the first stage also owns the embeddings and the last the
 final LayerNorm, LM head and loss. The whole model is the stage that covers every layer,
 so a stage's parameters have the same names as in the whole model and
-:func:`_init_parameters` gives them the same values without building the whole model.
+:func:`tplib.nn.init.init_parameters` gives them the same values without building the whole
+model.
 
 The only idea beyond a plain GPT: attention can take a :class:`~tplib.nn.context.StageContext`
 and a ``start`` position, and then attends to the keys and values of earlier token slices
@@ -13,7 +14,7 @@ of the same sequences (see :mod:`tplib.nn.context`).
 
 Given an :class:`~tplib.nn.oppart.OpGroup` of #Op > 1 ranks, a stage holds only this rank's
 share of each block, embedding and head, split the Megatron way (see
-:mod:`tplib.nn.oppart`); :func:`_init_parameters` then gives each shard exactly its part of
+:mod:`tplib.nn.oppart`); :mod:`tplib.nn.init` then gives each shard exactly its part of
 the whole model's values. The blocks' products are :class:`tplib.nn.linear.Linear`; dropout,
 when training with it, is :mod:`tplib.nn.dropout`'s. An attention whose ``recompute_core``
 an executor set keeps its core's inputs alone and runs the core again in backward
@@ -24,8 +25,6 @@ of each slice, and attention is :mod:`tplib.nn.ring`'s.
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Callable
 from functools import partial
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tplib.documents import Documents
 from tplib.nn.configs import GPTConfig, check_op, padded_vocab
 from tplib.nn.context import (
     LayerContext,
@@ -41,6 +41,7 @@ from tplib.nn.context import (
     math_attention,
     slice_attention,
 )
+from tplib.nn.doc_attention import document_attention
 from tplib.nn.dropout import (
     SITE_ATTENTION,
     SITE_EMBEDDING,
@@ -50,13 +51,12 @@ from tplib.nn.dropout import (
     StageDropout,
     layer_site,
 )
+from tplib.nn.init import init_parameters
 from tplib.nn.linear import Linear
 from tplib.nn.oppart import (
     OpGroup,
     enter_tensor_parallel,
     sequence_shard,
-    shard_spec,
-    take_shard,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -96,6 +96,7 @@ class CausalSelfAttention(nn.Module):
         start: int = 0,
         context: LayerContext | None = None,
         drop: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         x = enter_tensor_parallel(x, self.op)  # the whole slice, if x is a sequence shard
         b, length, _ = x.shape
@@ -103,7 +104,11 @@ class CausalSelfAttention(nn.Module):
             t.view(b, length, self.n_head, -1).transpose(1, 2)
             for t in self.qkv(x).split(self.width, dim=2)
         )
-        if self.cp is not None:
+        if documents is not None:
+            y = document_attention(
+                q, k, v, context, start, documents, recompute=self.recompute_core
+            )
+        elif self.cp is not None:
             y = ring_attention(q, k, v, context, start, self.cp, recompute=self.recompute_core)
         elif context is not None:
             y = slice_attention(q, k, v, context, start, drop, recompute=self.recompute_core)
@@ -149,9 +154,10 @@ class Block(nn.Module):
         start: int = 0,
         context: LayerContext | None = None,
         drop: tuple[StageDropout, int] | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         if drop is None:
-            x = x + self.attn(self.ln_1(x), start, context)
+            x = x + self.attn(self.ln_1(x), start, context, documents=documents)
             return x + self.mlp(self.ln_2(x))
         dropout, layer = drop
         probs = dropout.probs(layer_site(layer, SITE_PROBS), self.attn.heads)
@@ -189,6 +195,11 @@ class GPTStage(nn.Module):
     hidden)`` (:meth:`input_tokens`), and so is everything between the tensor-parallel
     products: LayerNorms, dropouts and residual adds. With ``cp`` (#CP > 1), ``x`` and
     ``targets`` are the rank's chunks of the slice (:func:`tplib.nn.ring.cp_shard`).
+
+    With ``documents`` (:class:`~tplib.documents.Documents` of ``x``'s rows) the rows are
+    packed: position ids restart at each document and attention is
+    :mod:`tplib.nn.doc_attention`'s, within documents only. A target of
+    :data:`~tplib.documents.IGNORE` (a document's last token, padding) adds no loss.
     """
 
     def __init__(
@@ -279,6 +290,20 @@ class GPTStage(nn.Module):
             head_dim=self.cfg.head_dim, dtype=dtype, device=device, impl=attention,
         )  # fmt: skip
 
+    def _check_documents(
+        self, documents: Documents, rows: int, end: int, dropout: DropoutKey | None
+    ) -> None:
+        if documents.batch != rows or documents.seq_len < end:
+            raise ValueError(
+                f"documents of {documents.batch} rows x {documents.seq_len} tokens for "
+                f"{rows} rows up to token {end}: they must describe the rows run"
+            )
+        if self.cp is not None or (dropout is not None and self.cfg.dropout > 0):
+            raise ValueError(
+                f"packed documents with #CP={self.n_cp} or dropout={self.cfg.dropout}: "
+                "document-masked attention supports neither"
+            )
+
     def _check_length(self, start: int, length: int) -> None:
         if start + length > self.cfg.seq_len:
             raise ValueError(
@@ -293,6 +318,7 @@ class GPTStage(nn.Module):
         context: StageContext | None = None,
         targets: Tensor | None = None,
         dropout: DropoutKey | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         length = x.shape[1] * self.n_cp  # x holds this CP rank's l / #CP tokens
         if not self.is_first and self.sequence_parallel:
@@ -300,6 +326,8 @@ class GPTStage(nn.Module):
         self._check_length(start, length)
         if context is None and start != 0:
             raise ValueError(f"start={start} without a context: a slice needs its K/V context")
+        if documents is not None:
+            self._check_documents(documents, x.shape[0], start + length, dropout)
         # The tokens of the residual stream on this rank: [first, first + tokens).
         offset, tokens = sequence_shard(length, self.op)
         first = start + offset
@@ -309,6 +337,8 @@ class GPTStage(nn.Module):
             drop = StageDropout(self.cfg.dropout, dropout, x, first, length=tokens)
         if self.is_first:
             positions = torch.arange(first, first + tokens, device=x.device)
+            if documents is not None:  # each document's positions count from 0
+                positions = torch.from_numpy(documents.positions(first, tokens)).to(x.device)
             if self.cp is not None:  # this rank's two chunks of the slice
                 positions = cp_positions(start, length, self.cp.rank, self.n_cp, x.device)
             x = vocab_parallel_embedding(x, self.wte.weight, self.first_row, self.op)
@@ -317,7 +347,7 @@ class GPTStage(nn.Module):
                 x = drop.hidden(x, SITE_EMBEDDING)
         for i, block in self.blocks.items():
             layer = None if drop is None else (drop, int(i))
-            x = block(x, start, None if context is None else context[int(i)], layer)
+            x = block(x, start, None if context is None else context[int(i)], layer, documents)
         if not self.is_last:
             return x
         # The final LayerNorm on the shard; the vocabulary-parallel head and loss see the
@@ -334,47 +364,11 @@ class GPTStage(nn.Module):
         )
 
 
-def _seed_for(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
 def _whole_shapes(stage: GPTStage) -> dict[str, torch.Size]:
     """Shapes of the stage's parameters in the unpartitioned model (nothing allocated)."""
     with torch.device("meta"):
         whole = GPTStage(stage.cfg, stage.lo, stage.hi)
     return {name: p.shape for name, p in whole.named_parameters()}
-
-
-@torch.no_grad()
-def _init_parameters(stage: GPTStage, seed: int = 0) -> None:
-    """GPT-2 initialisation, drawn per parameter from a generator seeded by its name.
-
-    Any stage therefore holds exactly the values the same layers have in the whole model,
-    and a partitioned stage holds exactly its shard of them (vocabulary padding is zero).
-    Residual projections get std / sqrt(2 * n_layer), as in GPT-2.
-    """
-    cfg = stage.cfg
-    shapes = _whole_shapes(stage) if stage.op is not None else {}
-    for name, param in stage.named_parameters():
-        if param.device.type == "meta":
-            return
-        shape = shapes.get(name, param.shape)
-        if name == "head.weight" and cfg.tie_embeddings:
-            name = "wte.weight"  # a last stage's copy of the shared embedding
-        leaf = name.rsplit(".", 1)[-1]
-        if (name.startswith("blocks.") and ".ln_" in name) or name.startswith("ln_f."):
-            param.fill_(1.0 if leaf == "weight" else 0.0)
-        elif leaf == "bias":
-            param.zero_()
-        else:
-            std = cfg.init_std
-            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                std /= math.sqrt(2 * cfg.n_layer)
-            g = torch.Generator().manual_seed(_seed_for(seed, name))
-            values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-            if stage.op is not None:
-                values = take_shard(values, shard_spec(name), stage.op.rank, stage.op.size)
-            param.copy_(values)
 
 
 def build_model(
@@ -396,5 +390,6 @@ def build_model(
     with torch.device(device):
         stage = GPTStage(cfg, lo, hi, op, cp)
     stage.to(dtype=dtype)
-    _init_parameters(stage, seed)
+    shapes = _whole_shapes(stage) if stage.op is not None else {}
+    init_parameters(stage.named_parameters(), stage.cfg, stage.op, shapes, seed)
     return stage

@@ -255,7 +255,8 @@ def vocab_parallel_embedding(
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy over logits split by vocabulary rows across the group.
+    """Summed cross-entropy over logits split by vocabulary rows across the group;
+    tokens whose target is negative (``IGNORE``) add nothing, as in ``F.cross_entropy``.
 
     Saves the local softmax (tokens x rows / #Op, float32) for backward, as Megatron's
     does; the logits themselves are not kept.
@@ -279,14 +280,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = (logits - peak.unsqueeze(1)).exp_()
         total = exp.sum(dim=1)
         group.all_reduce(total)
+        counted = targets >= 0  # a negative target (IGNORE) adds no loss
         local = targets - first_row
         mine = (local >= 0) & (local < logits.shape[1])
         local = local.masked_fill(~mine, 0)
         rows = torch.arange(logits.shape[0], device=logits.device)
         picked = torch.where(mine, logits[rows, local], 0.0)
         group.all_reduce(picked)
-        loss = (total.log() + peak - picked).sum()
-        softmax = exp.div_(total.unsqueeze(1))
+        loss = torch.where(counted, total.log() + peak - picked, 0.0).sum()
+        softmax = exp.div_(total.unsqueeze(1)).mul_(counted.unsqueeze(1))
         ctx.save_for_backward(softmax, local, mine)
         return loss
 

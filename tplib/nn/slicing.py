@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tplib.documents import Documents
 from tplib.nn.configs import RECOMPUTE_MODES, check_recompute
 from tplib.nn.context import StageContext
 from tplib.nn.dropout import DropoutKey
@@ -102,6 +103,8 @@ class SliceExecutor:
         self.loss_scale = loss_scale
         self.grad_scale = 1.0
         self.dropout: DropoutKey | None = None
+        self._documents: Documents | None = None
+        self._slice_documents: dict[int, Documents] = {}
         self.recompute = recompute
         self.hold = hold
         if plan.seq_len > stage.cfg.seq_len:
@@ -126,6 +129,42 @@ class SliceExecutor:
                 module.deferred = self.deferred
             elif isinstance(module, CausalSelfAttention):
                 module.recompute_core = recompute == "selective"
+
+    @property
+    def documents(self) -> Documents | None:
+        """The packed rows of the batch being trained (None: unpacked)."""
+        return self._documents
+
+    @documents.setter
+    def documents(self, documents: Documents | None) -> None:
+        if documents is not None and (
+            documents.batch != self.plan.batch or documents.seq_len != self.plan.seq_len
+        ):
+            raise ValueError(
+                f"documents of {documents.batch} rows x {documents.seq_len} tokens for a plan "
+                f"of {self.plan.batch} x {self.plan.seq_len}: they must describe its batch"
+            )
+        self._documents = documents
+        self._slice_documents = {}
+
+    def replan(self, plan: Plan) -> None:
+        """Run the units of ``plan`` from now on: the next batch's token slicing. It keeps
+        the batch split (and so the K/V contexts), and comes between iterations."""
+        if plan.batch_slices != self.plan.batch_slices or plan.seq_len != self.plan.seq_len:
+            raise ValueError(f"replan from {self.plan} to {plan}: only token slices may change")
+        if self._saved or any(self._next_forward):
+            raise RuntimeError(f"replan with units in flight ({self.pending}): finish the pass")
+        self.plan = plan
+        self._next_backward = [len(ts) for ts in plan.token_slices]
+        self._slice_documents = {}
+
+    def _documents_of(self, b: int) -> Documents | None:
+        if self._documents is None:
+            return None
+        if b not in self._slice_documents:
+            first, rows = self.plan.batch_offset(b), self.plan.batch_slices[b]
+            self._slice_documents[b] = self._documents.rows(first, rows)
+        return self._slice_documents[b]
 
     def context(self, b: int) -> StageContext:
         """Batch slice ``b``'s K/V context, allocated once and reused every iteration
@@ -187,6 +226,7 @@ class SliceExecutor:
             context=self.context(b),
             targets=targets,
             dropout=key,
+            documents=self._documents_of(b),
         )
         return out * self.loss_scale if self.stage.is_last else out
 
@@ -258,13 +298,15 @@ def run_pipeline_local(
     dropout: DropoutKey | None = None,
     split_backward: bool = False,
     dtype: torch.dtype | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """Forward and backward a batch through ``stages`` chained in this process: every unit
     forward through every stage, then every unit backward in reverse order (with
     ``split_backward``: input gradients only, then each sequence's weight gradients in
     one product per weight). ``dropout``: train with dropout, keyed for row 0 of ``x``
     (see :mod:`tplib.nn.dropout`). ``dtype``: the K/V contexts' (default the parameters';
-    bfloat16 under bf16 autocast, as the runtime keeps them).
+    bfloat16 under bf16 autocast, as the runtime keeps them). ``documents``: the rows of
+    ``x`` are packed (:class:`~tplib.documents.Documents`), attention stays in documents.
 
     ``x`` is token ids, or hidden states for a chain that starts mid-model; if it requires
     grad, its gradient is accumulated in ``x.grad``. A chain from the first stage to the
@@ -305,6 +347,7 @@ def run_pipeline_local(
     ]
     for ex in executors:
         ex.dropout = dropout
+        ex.documents = documents
     outputs: list[Tensor] = []
     for unit in plan.units():
         h = cp_shard(unit_rows(plan, unit, x), cp)

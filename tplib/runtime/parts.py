@@ -23,13 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tplib.nn.configs import check_numbers, is_finite, is_int_pair
+from tplib.nn.data import DOCUMENT_SOURCES, PACKINGS
 from tplib.nn.layer_ranges import StageRange
 from tplib.nn.lr import LR_SCHEDULES
 
 __all__ = ["PARTS", "WEIGHT_DECAY_PARAMS", "Data", "Optim", "Parallelism", "Timing"]
 
 WEIGHT_DECAY_PARAMS = ("matrices", "all")
-_DATA_SOURCES = ("synthetic", "stdlib")
+_DATA_SOURCES = ("synthetic", "stdlib", *DOCUMENT_SOURCES)
 SEEDS = (0, 2**63 - 1)  # what torch's generators take
 
 
@@ -147,12 +148,18 @@ class Data:
     """What each iteration trains on: ``batch`` (B, the global batch of all replicas
     together) sequences of ``seq_len`` (L) tokens. Iteration i trains on the batch of seed
     ``seed + i`` from ``source``: "synthetic" (seeded random ids) or "stdlib" (byte-level
-    text of the Python standard library, :mod:`tplib.nn.corpus`)."""
+    text of the Python standard library, :mod:`tplib.nn.corpus`), or rows of whole
+    documents (:data:`~tplib.nn.data.DOCUMENT_SOURCES`: each stdlib file, or seeded
+    log-normal lengths) placed by ``packing`` (:data:`~tplib.nn.data.PACKINGS`: packed
+    first-fit decreasing or greedily, or one document per row padded to L), attention
+    kept within documents unless ``document_masking`` is off."""
 
     batch: int = 1
     seq_len: int = 64
     source: str = "synthetic"
     seed: int = 1
+    packing: str = "ffd"
+    document_masking: bool = True
 
     def __post_init__(self) -> None:
         check_numbers(
@@ -162,6 +169,15 @@ class Data:
         )
         if self.source not in _DATA_SOURCES:
             raise ValueError(f"Data.source={self.source!r}: choose one of {_DATA_SOURCES}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"Data.packing={self.packing!r}: choose one of {PACKINGS}")
+        if not isinstance(self.document_masking, bool):
+            raise ValueError(f"Data.document_masking={self.document_masking!r}: True or False")
+
+    @property
+    def packed(self) -> bool:
+        """Rows of documents, with boundaries (:data:`~tplib.nn.data.DOCUMENT_SOURCES`)."""
+        return self.source in DOCUMENT_SOURCES
 
 
 @dataclass(frozen=True, kw_only=True)

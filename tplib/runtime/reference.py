@@ -37,7 +37,8 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-from tplib.nn.data import training_batch
+from tplib.documents import IGNORE
+from tplib.nn.data import document_batch, training_batch
 from tplib.nn.dropout import DropoutKey
 from tplib.nn.model import GPTStage, build_model
 from tplib.runtime.runconfig import RunConfig
@@ -97,6 +98,23 @@ def torch_lr_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> LRSc
     )
 
 
+def _documents_loss(model: GPTStage, run: RunConfig, i: int) -> Tensor:
+    """Iteration ``i``'s mean loss over packed rows as the sum over its documents run one
+    at a time, unpacked, through the whole model (the rows themselves, attending across
+    documents, when ``document_masking`` is off): what packing must not change."""
+    data = run.data
+    packed = document_batch(
+        run.cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
+    )
+    counted = int((packed.targets != IGNORE).sum())
+    if not data.document_masking:
+        return model(packed.tokens, targets=packed.targets) / counted
+    total = torch.zeros(())
+    for tokens, targets in packed.unpacked():
+        total = total + model(tokens, targets=targets)
+    return total / counted
+
+
 def train_reference(run: RunConfig) -> ReferenceResult:
     """Train ``run``'s model on one device with whole sequences and the full batch."""
     model = build_model(run.cfg, seed=run.seed)
@@ -119,15 +137,19 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     delayed = _Delayed(run, model) if any(delays) else None
     data = run.data
     for i in range(run.timing.iterations):
-        tokens, targets = training_batch(
-            run.cfg, data.source, data.batch, data.seq_len, seed=data.seed + i
-        )
         key = DropoutKey.for_iteration(run.seed, i) if run.cfg.dropout > 0 else None
-        if delayed is None:
-            loss = model(tokens, targets=targets, dropout=key) / targets.numel()
+        if data.packed:  # every document alone, whole and unpacked
+            loss = _documents_loss(model, run, i)
             loss.backward()
         else:
-            loss = delayed.gradient(i, delays, tokens, targets)
+            tokens, targets = training_batch(
+                run.cfg, data.source, data.batch, data.seq_len, seed=data.seed + i
+            )
+            if delayed is None:
+                loss = model(tokens, targets=targets, dropout=key) / targets.numel()
+                loss.backward()
+            else:
+                loss = delayed.gradient(i, delays, tokens, targets)
         timed = i >= run.timing.warmup
         if timed:
             result.losses.append(loss.item())

@@ -34,6 +34,7 @@ from tplib.nn.configs import (
 from tplib.nn.layer_ranges import StageRange, balanced_stages, check_stage_ranges
 from tplib.nn.lr import LRSchedule
 from tplib.plan import Plan
+from tplib.runtime.batches import check_packed_run
 from tplib.runtime.parts import PARTS, SEEDS, Data, Optim, Parallelism, Timing
 from tplib.schedule import Schedule, make_schedule, schedule_names
 from tplib.schedule.nccl import PostingPlan, check_nccl, posting_plan
@@ -84,6 +85,8 @@ class RunConfig:
     # "none" | "selective" (recompute each attention core) | "full" (keep only each
     # unit's input; recompute its forward)
     recompute: str = "none"
+    # Per-batch plans: iteration i runs batch_plans[i] (tplib.runtime.batches)
+    batch_plans: tuple[Plan, ...] = ()
     # What __post_init__ derives: the model, plan, layer ranges, schedule and (made once,
     # on first use) where each stage posts its messages.
     _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule, PostingPlan | None] = field(
@@ -151,6 +154,7 @@ class RunConfig:
             self._check_sequence_parallel(plan, schedule)
         if parallelism.n_cp > 1:
             self._check_context_parallel(cfg, plan, schedule)
+        check_packed_run(self, cfg, plan, schedule)
         posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
             posting = posting_plan(schedule)

@@ -1,9 +1,7 @@
 """The per-process pipeline interpreter: one process per (replica, stage, CP rank, op rank)
 runs its stage's list of actions, iteration after iteration (an asynchronous schedule's list
-spans every iteration of the run, and is walked once).
-
-Under context parallelism a rank feeds its stage this CP rank's chunks of every unit's
-token ids and targets (:func:`tplib.nn.ring.cp_shard`).
+spans every iteration of the run, and is walked once). Under context parallelism a rank
+feeds its stage this CP rank's chunks of every unit (:func:`tplib.nn.ring.cp_shard`).
 
 Each process builds its shard of its stage of the model (with virtual stages, of each of
 its chunks: one module and one executor per chunk), then walks the actions of
@@ -26,9 +24,8 @@ tensor arrives. Every action is timed into a trace (:mod:`tplib.runtime.clock`: 
 by CUDA events, read once the iteration is over), and where the rank is goes to a
 :class:`~tplib.runtime.rank.Progress` that the pool reports if the rank dies.
 
-Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`): the CUDA
-allocator's peak, or on CPU what autograd saves and the executor holds, plus the
-parameters, gradients (kept allocated between steps), optimizer state and K/V contexts.
+Each rank measures its stage's peak memory (:mod:`tplib.runtime.memory`). What each
+iteration trains on, and under per-batch plans its schedule, is :mod:`tplib.runtime.batches`.
 """
 
 from __future__ import annotations
@@ -45,12 +42,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tplib.nn.bytecount import context_tensors
-from tplib.nn.data import batch_rows
 from tplib.nn.dropout import DropoutKey
 from tplib.nn.precision import autocast, param_dtype
 from tplib.nn.ring import cp_shard
 from tplib.nn.slicing import unit_rows
 from tplib.plan import Unit
+from tplib.runtime.batches import batch_schedules, iteration_batch, on_device
 from tplib.runtime.chunk import build_chunks, held_contexts
 from tplib.runtime.clock import Mark, PassClock
 from tplib.runtime.groups import RankGroups
@@ -61,6 +58,7 @@ from tplib.runtime.runconfig import Hooks, RunConfig
 from tplib.runtime.update import Update
 from tplib.runtime.versions import WeightVersions
 from tplib.schedule import Action, Kind
+from tplib.schedule.nccl import posting_plan
 
 __all__ = ["TRACE_COLUMNS", "RankResult", "Worker", "run_worker"]  # results: rank.py
 
@@ -120,6 +118,7 @@ class Worker:
             self.plan, self.stage_id, posting, self.groups, hidden=run.cfg.hidden,
             wire_dtype=self.wire_dtype, device=self.device,
         )  # fmt: skip
+        self.batch_schedules = batch_schedules(run)  # per-batch plans' (or none)
         self.versions: WeightVersions | None = None
         self.updates = 0  # optimizer steps made so far
         self.position = 0  # the index of the action running in the stage's list
@@ -251,12 +250,18 @@ class Worker:
 
     # ---- one iteration -------------------------------------------------------------
 
-    def _on_device(self, rows: Tensor) -> Tensor:
-        """A pass's token ids on the device in one copy (a GPU's from pinned memory, not
-        one pageable copy and sync per unit)."""
-        if self.device.type != "cuda":
-            return rows
-        return rows.pin_memory().to(self.device, non_blocking=True)
+    def _use_plan(self, index: int) -> None:
+        """Under per-batch plans, switch to iteration ``index``'s schedule."""
+        schedule = self.batch_schedules[index]
+        if schedule is self.schedule:
+            return
+        self.schedule, self.plan = schedule, schedule.plan
+        for chunk in self.chunks:
+            chunk.executor.replan(self.plan)
+        self.messages = Messages(
+            self.plan, self.stage_id, posting_plan(schedule)[self.stage_id], self.groups,
+            hidden=self.run.cfg.hidden, wire_dtype=self.wire_dtype, device=self.device,
+        )  # fmt: skip
 
     def iteration(self, index: int, record: bool) -> None:
         """One pass over the stage's actions: iteration ``index`` of a synchronous
@@ -264,14 +269,18 @@ class Worker:
         run = self.run
         n = self.schedule.n_iterations
         # This replica's share of each global batch; the plan cuts it into units.
-        mine = slice(self.replica * run.pipeline_batch, (self.replica + 1) * run.pipeline_batch)
-        data = run.data
-        tokens, targets = batch_rows(
-            run.cfg, data.source, data.batch, data.seq_len, range(index, index + n), data.seed, mine
-        )
+        batch = iteration_batch(run, index, n, self.replica)
+        if self.batch_schedules:
+            self._use_plan(index)
         loss = torch.zeros(n, dtype=torch.float32, device=self.device)
-        it = _Iteration(index, self._on_device(tokens), self._on_device(targets), loss)
+        tokens, targets = (
+            on_device(batch.tokens, self.device),
+            on_device(batch.targets, self.device),
+        )
+        it = _Iteration(index, tokens, targets, loss)
         for chunk in self.chunks:
+            chunk.executor.documents = batch.documents
+            chunk.executor.loss_scale = batch.loss_scale
             chunk.executor.grad_scale = self.update.optimizer.loss_scale
             if run.cfg.dropout > 0:  # this replica's sequences start at its row of the batch
                 chunk.executor.dropout = DropoutKey.for_iteration(
@@ -334,22 +343,10 @@ class Worker:
         return self.schedule.iteration_of(action.b) if action.b >= 0 else done
 
     def _trace(self, index: int, action: Action, start: float, end: float) -> None:
-        self.result.trace.append(
-            (
-                self.rank,
-                self.stage_id,
-                self.replica,
-                self.op_rank,
-                index - self.run.timing.warmup,
-                action.kind.value,
-                action.b,
-                action.t,
-                action.v,
-                action.chunk,
-                start,
-                end,
-            )
-        )
+        self.result.trace.append((
+            self.rank, self.stage_id, self.replica, self.op_rank, index - self.run.timing.warmup,
+            action.kind.value, action.b, action.t, action.v, action.chunk, start, end,
+        ))  # fmt: skip
 
     def _maybe_fault(self) -> None:
         if self.hooks.fault_rank != self.rank:
