@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # whatever the layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("util",),
-    ("plan", "documents"),
+    ("plan", "documents", "packing"),
     ("schedule",),
     ("nn",),
     ("paper", "published"),

@@ -20,6 +20,8 @@ of training it. One mechanism per module:
 - :mod:`~tplib.nn.bytecount`: the bytes behind tensors, parameters, gradients and optimizer
   state;
 - :mod:`~tplib.nn.data`, :mod:`~tplib.nn.corpus`: token batches, synthetic or real text;
+- :mod:`~tplib.nn.doc_sources`: documents packed into rows, with their targets and
+  boundaries;
 - :mod:`~tplib.nn.hf`: a Hugging Face GPT-2 checkpoint loaded into stages.
 
 Importing this package loads nothing; torch loads with the modules that need it.
