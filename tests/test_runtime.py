@@ -116,7 +116,7 @@ _references: dict[tuple[object, ...], ReferenceResult] = {}
 def _reference(run: RunConfig) -> ReferenceResult:
     # The reference depends only on the global batch, the model, the optimiser recipe and
     # the steps (the data are fixed by _config).
-    key = (run.data.batch, run.model_overrides, run.optim, run.timing.steps)
+    key = (run.data, run.model_overrides, run.optim, run.timing.steps)
     if key not in _references:
         _references[key] = train_reference(run)
     return _references[key]
