@@ -40,7 +40,7 @@ def test_segments_cover_each_row_once_and_stay_in_documents() -> None:
         for r, b in enumerate(docs.bounds):
             mine = [s for s in segments if s.row == r]
             # Contiguous, covering [start, end), each inside the document it names.
-            assert [s.lo for s in mine][0] == start and mine[-1].hi == end
+            assert next(s.lo for s in mine) == start and mine[-1].hi == end
             assert all(a.hi == c.lo for a, c in itertools.pairwise(mine))
             for s in mine:
                 j = b.index(s.doc_start)

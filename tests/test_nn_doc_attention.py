@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _unpacked_reference() -> tuple[float, dict[str, Tensor]]:
     model = build_model(CFG, seed=3)
     total = torch.zeros(())
     for r, bounds in enumerate(docs.bounds):
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+        for lo, hi in itertools.pairwise(bounds):
             total = total + model(tokens[r : r + 1, lo:hi], targets=targets[r : r + 1, lo:hi])
     total.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -110,9 +111,7 @@ def test_document_attention_equals_masked_softmax_with_context() -> None:
             document_attention(q32[:, :, a:b], k32[:, :, a:b], v32[:, :, a:b], context, a, docs)
             for a, b in ((0, 5), (5, 12), (12, 16))
         ]
-        torch.testing.assert_close(
-            torch.cat(out, 2).double(), expected, rtol=1e-5, atol=1e-5
-        )
+        torch.testing.assert_close(torch.cat(out, 2).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_documents_must_describe_the_rows() -> None:

@@ -82,5 +82,5 @@ def test_bad_packed_runs_are_refused_before_they_start() -> None:
         _packed("terapipe", CUT, batch_plans=(CUT,))
     with pytest.raises(ValueError, match="keeps the run's batch split"):
         _packed("terapipe", CUT, batch_plans=(CUT, Plan((2,), ((16, 16),))))
-    with pytest.raises(ValueError, match="Data.packing='best'"):
+    with pytest.raises(ValueError, match=r"Data\.packing='best'"):
         Data(source="corpus-documents", packing="best")
