@@ -70,6 +70,16 @@ def test_run_config_round_trips_through_json(tmp_path: Path) -> None:
     uniform = RunConfig(data=Data(batch=2, seq_len=16), slicing=4)
     assert run_config_to_dict(uniform)["slicing"] == 4
     assert run_config_from_dict(run_config_to_dict(uniform)) == uniform
+    cut = Plan((1, 1), ((5, 11), (16,)))
+    packed = RunConfig(
+        parallelism=Parallelism(n_stages=2),
+        data=Data(batch=2, seq_len=16, source="lognormal-documents", packing="greedy"),
+        slicing=cut,
+        timing=Timing(steps=2),
+        batch_plans=(cut, Plan((1, 1), ((8, 8), (2, 14)))),
+    )
+    assert run_config_to_dict(packed)["batch_plans"][1] == "[(1, [8] * 2)] + [(1, [2, 14])]"
+    assert run_config_from_dict(run_config_to_dict(packed)) == packed
 
 
 def test_format_2_nests_each_part() -> None:

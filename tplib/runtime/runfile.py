@@ -89,6 +89,7 @@ def run_config_to_dict(run: RunConfig) -> dict[str, Any]:
             {f: getattr(value, f) for f in _init_fields(PARTS[name])} if name in PARTS else value
         )
     out["slicing"] = run.slicing.to_paper() if isinstance(run.slicing, Plan) else run.slicing
+    out["batch_plans"] = [p.to_paper() for p in run.batch_plans]
     ranges = run.parallelism.stage_ranges
     out["parallelism"]["stage_ranges"] = None if ranges is None else [list(r) for r in ranges]
     out["optim"]["betas"] = list(run.optim.betas)
@@ -113,6 +114,8 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
         )
     if isinstance(top.get("slicing"), str):
         top["slicing"] = Plan.from_paper(top["slicing"])
+    if isinstance(plans := top.get("batch_plans"), list):
+        top["batch_plans"] = tuple(Plan.from_paper(p) if isinstance(p, str) else p for p in plans)
     # JSON's arrays become the tuples a RunConfig holds (lists would not compare equal).
     layout = parts.get("parallelism", {})
     if isinstance(ranges := layout.get("stage_ranges"), list):
