@@ -64,7 +64,7 @@ def make(fields: Mapping[str, object]) -> RunConfig:
         ({"optim.lr_warmup_steps": 4, "optim.lr_decay_steps": 3}, r"Optim.lr_decay_steps=3 must be an integer >= lr_warmup_steps=4"),
         ({"optim.lr_schedule_name": "constant", "optim.lr_decay_steps": 10}, r"lr_decay_steps=10 with lr_schedule_name='constant': only the cosine schedule decays"),
         ({"optim.min_lr_ratio": 1.5}, r"Optim.min_lr_ratio=1.5 must lie in \[0, 1\]"),
-        ({"data.source": "web"}, r"Data.source='web': choose one of \('synthetic', 'stdlib'\)"),
+        ({"data.source": "web"}, r"Data.source='web': choose one of \('synthetic', 'stdlib', 'corpus-documents', 'lognormal-documents'\)"),
         ({"parallelism.sequence_parallel": True}, r"sequence_parallel=True with n_op=1: .* needs #Op > 1"),
         ({"parallelism.n_op": 2, "parallelism.sequence_parallel": 1}, r"Parallelism.sequence_parallel=1 must be True or False"),
         ({"parallelism.n_op": 2, "parallelism.sequence_parallel": True, "data.seq_len": 15}, r"sequence_parallel with seq_len=15 and n_op=2: .* #Op must divide L"),

@@ -35,9 +35,22 @@ from functools import cached_property
 
 from tplib.documents import Documents
 
-__all__ = ["METHODS", "Packing", "PackingReport", "Piece", "pack", "pad_each"]
+__all__ = [
+    "DOCUMENT_SOURCES",
+    "METHODS",
+    "PACKINGS",
+    "Packing",
+    "PackingReport",
+    "Piece",
+    "pack",
+    "pad_each",
+]
 
 METHODS = ("ffd", "greedy")
+# How a run's rows are filled (tplib.runtime.parts.Data.packing): packed by a METHOD, or
+# "pad", one document per row; and the sources of whole documents it names.
+PACKINGS = (*METHODS, "pad")
+DOCUMENT_SOURCES = ("corpus-documents", "lognormal-documents")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tplib.cli.arguments import ANY_INT, COUNT, INT_LIMIT, integer, number, rate
+from tplib.cli.arguments import (
+    ANY_INT,
+    COUNT,
+    DISTRIBUTED_OPTIMIZER,
+    INT_LIMIT,
+    integer,
+    number,
+    rate,
+)
+from tplib.cli.bench import add_bench
 from tplib.cli.partitioning import autoplan_command, partition_command
 from tplib.cli.planning import (
     MEMORY_SCHEDULES,
@@ -47,10 +56,9 @@ from tplib.cli.planning import (
     simulate_command,
 )
 from tplib.cli.predict import add_predict
-from tplib.cli.runs import bench_command, reproduce_command, run_command, table_command
+from tplib.cli.runs import reproduce_command, run_command, table_command
 from tplib.cli.schedule import export_command, import_command, show_command
 from tplib.nn.configs import PRECISIONS
-from tplib.nn.lr import LR_SCHEDULES
 from tplib.perfmodel import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY
 from tplib.perfmodel.conditions import IMPLS
 from tplib.search.pricing import SEARCHED_SCHEDULES
@@ -195,81 +203,8 @@ def _add_layouts(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=partition_command)
 
 
-DISTRIBUTED_OPTIMIZER = (
-    "shard the optimizer state over #Data (Megatron's distributed optimizer: gradients "
-    "reduce-scattered, each replica steps its shard, parameters all-gathered)"
-)
-
-
 def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="time a schedule on local processes (the real runtime)")
-    p.add_argument(
-        "--schedule", required=True, help="gpipe, terapipe, 1f1b, terapipe-zb, 1f1b-zb, ..."
-    )
-    p.add_argument("--stages", type=ANY_INT, required=True, help="K: pipeline stages")
-    p.add_argument("--batch", type=COUNT, required=True, help="B: sequences per iteration")
-    p.add_argument("--seq-len", type=COUNT, required=True, help="L: tokens per sequence")
-    p.add_argument("--slices", type=COUNT, default=1, help="equal token slices per sequence")
-    p.add_argument("--model", default="small", help="named config (default small)")
-    p.add_argument("--data", type=COUNT, default=1, help="#Data: data-parallel replicas")
-    p.add_argument("--op", type=ANY_INT, default=1, help="#Op: operation-partitioning ranks/stage")
-    p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="split LayerNorms, dropouts and residual adds along the tokens over #Op",
-    )
-    p.add_argument(
-        "--cp",
-        type=ANY_INT,
-        default=1,
-        help="#CP: context-parallel ranks per stage and op rank (ring attention; every "
-        "token slice divisible by 2 x #CP)",
-    )
-    p.add_argument(
-        "--chunks",
-        type=ANY_INT,
-        help="v: chunks (virtual stages) per stage, for the schedules that place them "
-        "(default: the schedule's, 2 for interleaved-1f1b, zbv, ...)",
-    )
-    p.add_argument(
-        "--recompute",
-        default="none",
-        help="none, selective (the attention core again in backward) or full (the whole "
-        "forward again in backward)",
-    )
-    p.add_argument("--distributed-optimizer", action="store_true", help=DISTRIBUTED_OPTIMIZER)
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 (autocast) or fp16 (CUDA)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument(
-        "--backend",
-        choices=("nccl", "gloo"),
-        help="instead of the rule: nccl for cuda with a GPU per rank, gloo otherwise",
-    )
-    p.add_argument("--iters", type=COUNT, default=5, help="timed iterations")
-    p.add_argument("--warmup", type=integer(0), default=1, help="untimed iterations first")
-    p.add_argument(
-        "--timeout", type=number(0, above=True), default=300.0, help="communication timeout, s"
-    )
-    p.add_argument("--threads", type=integer(0), help="torch threads per process (0: share)")
-    # The optimizer's recipe, left None when not given: an asynchronous schedule then gets
-    # a recipe it accepts (bench_command), where a given one is the user's to keep.
-    p.add_argument(
-        "--grad-clip",
-        type=number(0),
-        help="clip the global gradient norm to this, 0: no clipping (default 1.0; 0 for "
-        "the asynchronous pipedream and 2bw, which refuse clipping)",
-    )
-    p.add_argument(
-        "--lr-schedule",
-        choices=LR_SCHEDULES,
-        help="cosine (linear warm-up, cosine decay to a floor; default) or constant",
-    )
-    p.add_argument(
-        "--weight-decay-params",
-        help="which parameters AdamW decays: matrices (ndim >= 2, as GPT-3; default) or all",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=bench_command)
+    add_bench(sub)
 
     p = sub.add_parser("run", help="write a Table-1 setting's torchrun config for GPU nodes")
     p.add_argument("--setting", type=ANY_INT, required=True, help="Table 1 row, 1..10")

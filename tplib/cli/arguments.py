@@ -62,3 +62,9 @@ def rate(text: str) -> float:
     if x >= 1:
         raise argparse.ArgumentTypeError(f"{text} is not < 1")
     return x
+
+
+DISTRIBUTED_OPTIMIZER = (
+    "shard the optimizer state over #Data (Megatron's distributed optimizer: gradients "
+    "reduce-scattered, each replica steps its shard, parameters all-gathered)"
+)

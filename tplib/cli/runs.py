@@ -1,6 +1,6 @@
-"""The commands that run things: ``bench`` (the runtime on local processes), ``run`` (a
-Table-1 setting's torchrun config for GPU nodes), ``table`` (one paper table without
-Jupyter) and ``reproduce`` (every table notebook)."""
+"""The commands that run things: ``run`` (a Table-1 setting's torchrun config for GPU
+nodes), ``table`` (one paper table without Jupyter) and ``reproduce`` (every table
+notebook); ``bench`` is :mod:`tplib.cli.bench`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tplib.runtime import Optim
+    pass
 
-__all__ = ["bench_command", "reproduce_command", "run_command", "table_command"]
+__all__ = ["reproduce_command", "run_command", "table_command"]
 
 
 def _json_arg(text: str | None, what: str) -> dict[str, Any]:
@@ -27,124 +27,6 @@ def _json_arg(text: str | None, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{what} {text!r} must be a JSON object, e.g. '{{\"settings\": [9]}}'")
     return value
-
-
-def _bench_recipe(args: argparse.Namespace) -> tuple[Optim, str]:
-    """The optimizer's recipe of ``bench``'s options, and a line saying what an
-    asynchronous schedule's recipe changed from the default ("" if nothing).
-
-    The default recipe (GPT-3's) clips gradients, which pipedream and 2bw refuse: clipping
-    to the global norm needs every stage at once, a flush. Where the user left
-    ``--grad-clip`` out they train unclipped; where they gave a norm, it is refused here,
-    naming the option."""
-    from tplib.runtime import Optim
-    from tplib.schedule import registered
-
-    given: dict[str, Any] = {
-        field: value
-        for field, value in (
-            ("grad_clip", args.grad_clip),
-            ("lr_schedule_name", args.lr_schedule),
-            ("weight_decay_params", args.weight_decay_params),
-        )
-        if value is not None
-    }
-    if not registered(args.schedule).asynchronous:
-        return Optim(**given), ""
-    if given.get("grad_clip", 0) > 0:
-        raise ValueError(
-            f"--grad-clip={args.grad_clip} with --schedule {args.schedule}: an asynchronous "
-            "schedule updates each stage without a flush, and clipping to the global "
-            "gradient norm needs one; give --grad-clip 0 or leave it out"
-        )
-    if "grad_clip" in given:
-        return Optim(**given), ""
-    default = Optim().grad_clip
-    return Optim(**given, grad_clip=0.0), (
-        f"note: --schedule {args.schedule} is asynchronous and refuses gradient clipping "
-        f"(it needs a flush), so bench trains it with --grad-clip 0 instead of the default "
-        f"{default:g}"
-    )
-
-
-def bench_command(args: argparse.Namespace) -> int:
-    from tplib.runtime import (  # starts processes: import only when asked
-        Data,
-        Parallelism,
-        RunConfig,
-        Timing,
-        bench,
-    )
-    from tplib.runtime.pool import local_backend
-    from tplib.schedule import registered
-
-    entry = registered(args.schedule)
-    if not entry.token_slices and args.slices != 1:
-        raise ValueError(
-            f"--slices={args.slices} with {args.schedule}: {args.schedule} runs whole "
-            "sequences (microbatches) and does not slice tokens"
-        )
-    chunks = entry.default_chunks if args.chunks is None else args.chunks
-    optim, changed = _bench_recipe(args)
-    run = RunConfig(
-        model=args.model,
-        schedule_name=args.schedule,
-        parallelism=Parallelism(
-            n_stages=args.stages,
-            n_data=args.data,
-            n_op=args.op,
-            n_cp=args.cp,
-            n_chunks=chunks,
-            sequence_parallel=args.sequence_parallel,
-            distributed_optimizer=args.distributed_optimizer,
-        ),
-        recompute=args.recompute,
-        precision=args.dtype,
-        device=args.device,
-        data=Data(batch=args.batch, seq_len=args.seq_len),
-        slicing=args.slices,
-        timing=Timing(
-            steps=args.iters, warmup=args.warmup, timeout_s=args.timeout, threads=args.threads or 0
-        ),
-        optim=optim,
-    )
-    choice = local_backend(run, args.backend)  # refused here, before any process starts
-    if changed:
-        print(changed, file=sys.stderr)
-    result = bench(run, backend=choice.backend)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-        return 0
-    par, data = run.parallelism, run.data
-    print(
-        f"{run.schedule_name}: {run.model}, K={par.n_stages}, #Data={par.n_data}, "
-        f"#Op={par.n_op}{' sequence-parallel' if par.sequence_parallel else ''}"
-        f"{f', #CP={par.n_cp}' if par.n_cp > 1 else ''}"
-        f"{' (distributed optimizer)' if par.distributed_optimizer else ''}, "
-        f"B={data.batch}, L={data.seq_len}, recompute={run.recompute}, "
-        f"{run.precision} on {run.device}, plan {result.plan}"
-    )
-    if run.padded_vocab != run.cfg.vocab_size:
-        print(f"  vocabulary padded from {run.cfg.vocab_size} to {run.padded_vocab} rows")
-    print(f"  {choice}")
-    print(
-        f"  median iteration latency {result.median_latency_s:.4f} s over {result.iterations} "
-        f"iterations (mean {result.latency_mean_s:.4f} ± {result.latency_std_s:.4f})"
-    )
-    print(
-        f"  busiest stage's own work {result.busiest_work_s:.4f} s; "
-        f"runtime overhead {result.overhead_s:.4f} s"
-    )
-    mib = 2**20
-    for k, (got, want) in enumerate(
-        zip(result.stage_peak_bytes, result.modelled_peak_bytes, strict=True)
-    ):
-        print(
-            f"  stage {k} peak memory {got / mib:.2f} MiB ({result.memory_source}); "
-            f"model {want / mib:.2f} MiB ({want / got - 1:+.1%})"
-            + (" (the model does not know #CP: it prices whole slices)" if par.n_cp > 1 else "")
-        )
-    return 0
 
 
 def table_command(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tplib.nn.configs import GPTConfig
+from tplib.packing import DOCUMENT_SOURCES, PACKINGS
 
 if TYPE_CHECKING:
     from tplib.nn.doc_sources import PackedBatch
@@ -31,11 +32,6 @@ __all__ = [
     "synthetic_batch",
     "training_batch",
 ]
-
-# Sources of whole documents, and how rows are filled with them: packed first-fit
-# decreasing, packed greedily in stream order, or one document per row padded to L.
-DOCUMENT_SOURCES = ("corpus-documents", "lognormal-documents")
-PACKINGS = ("ffd", "greedy", "pad")
 
 
 def document_batch(

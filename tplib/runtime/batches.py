@@ -3,7 +3,7 @@ under per-batch plans the schedule it runs.
 
 Unpacked data (:class:`~tplib.runtime.parts.Data` ``source`` "synthetic" or "stdlib") is
 rows of L tokens, every target counted: the loss is scaled by ``1 / (B * L)``. Packed
-data (a document source, :data:`tplib.nn.data.DOCUMENT_SOURCES`) is rows of whole
+data (a document source, :data:`tplib.packing.DOCUMENT_SOURCES`) is rows of whole
 documents with their boundaries (:class:`~tplib.documents.Documents`): a document's last
 token and padding predict nothing, so the loss is scaled by the targets the global
 batch counts, and each replica's executors get its rows' boundaries (none, when
@@ -13,28 +13,30 @@ documents). Every rank draws the same batch from the iteration's seed.
 Per-batch plans (:attr:`RunConfig.batch_plans <tplib.runtime.RunConfig.batch_plans>`):
 iteration i runs plan i, each with the run's batch split, so the executors keep their
 K/V contexts and only the token slicing changes. Each plan's schedule is built and
-validated once, when the config is made (:func:`check_packed_run`), and again in each
-process (:func:`batch_schedules`).
+validated once, when the config is made, and again in each process
+(:func:`batch_schedules`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tplib.documents import IGNORE, Documents
-from tplib.nn.configs import GPTConfig
 from tplib.nn.data import batch_rows, document_batch
 from tplib.plan import Plan
+from tplib.runtime.runconfig import RunConfig
 from tplib.schedule import Schedule, make_schedule
 
-if TYPE_CHECKING:
-    from tplib.runtime.runconfig import RunConfig
-
-__all__ = ["Batch", "batch_schedules", "check_packed_run", "iteration_batch", "on_device"]
+__all__ = [
+    "Batch",
+    "batch_schedules",
+    "iteration_batch",
+    "on_device",
+    "real_tokens",
+]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,20 @@ def iteration_batch(run: RunConfig, index: int, n: int, replica: int) -> Batch:
     return Batch(packed.tokens[mine], packed.targets[mine], documents, 1.0 / max(1, counted))
 
 
+def real_tokens(run: RunConfig, iterations: range) -> list[int]:
+    """The tokens of real text (documents, not padding) each of ``iterations`` trains on:
+    what the throughput of packed rows is counted in."""
+    data = run.data
+    if not data.packed:
+        return [data.batch * data.seq_len for _ in iterations]
+    return [
+        document_batch(
+            run.cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
+        ).packing.real_tokens
+        for i in iterations
+    ]
+
+
 def _schedule(run: RunConfig, plan: Plan) -> Schedule:
     p = run.parallelism
     return make_schedule(
@@ -78,37 +94,6 @@ def batch_schedules(run: RunConfig) -> tuple[Schedule, ...]:
     without them."""
     built: dict[Plan, Schedule] = {}
     return tuple(built.setdefault(p, _schedule(run, p)) for p in run.batch_plans)
-
-
-def check_packed_run(run: RunConfig, cfg: GPTConfig, plan: Plan, schedule: Schedule) -> None:
-    """Refuse, before any work, what packed rows or per-batch plans cannot run with."""
-    data = run.data
-    if data.packed and (schedule.asynchronous or run.parallelism.n_cp > 1 or cfg.dropout > 0):
-        raise ValueError(
-            f"data source {data.source!r} with schedule {run.schedule_name!r}, "
-            f"#CP={run.parallelism.n_cp}, dropout={cfg.dropout}: packed documents run "
-            "under synchronous schedules, without context parallelism or dropout"
-        )
-    if not run.batch_plans:
-        return
-    if schedule.asynchronous:
-        raise ValueError(
-            f"batch_plans with schedule {run.schedule_name!r}: per-batch plans need a flush "
-            "between iterations (a synchronous schedule)"
-        )
-    if len(run.batch_plans) != run.timing.iterations:
-        raise ValueError(
-            f"{len(run.batch_plans)} batch_plans for {run.timing.iterations} iterations: "
-            "give one plan per iteration"
-        )
-    for i, p in enumerate(run.batch_plans):
-        if not isinstance(p, Plan) or p.batch_slices != plan.batch_slices:
-            raise ValueError(
-                f"batch_plans[{i}]={p!r}: every per-batch plan keeps the run's batch split "
-                f"{plan.batch_slices} (the K/V contexts are kept); only token slices change"
-            )
-        p.check_covers(run.pipeline_batch, data.seq_len)
-    batch_schedules(run)  # each validated here, before any process starts
 
 
 def on_device(rows: Tensor, device: torch.device) -> Tensor:

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tplib.nn.configs import check_numbers, is_finite, is_int_pair
-from tplib.nn.data import DOCUMENT_SOURCES, PACKINGS
 from tplib.nn.layer_ranges import StageRange
 from tplib.nn.lr import LR_SCHEDULES
+from tplib.packing import DOCUMENT_SOURCES, PACKINGS
 
 __all__ = ["PARTS", "WEIGHT_DECAY_PARAMS", "Data", "Optim", "Parallelism", "Timing"]
 
@@ -149,8 +149,8 @@ class Data:
     together) sequences of ``seq_len`` (L) tokens. Iteration i trains on the batch of seed
     ``seed + i`` from ``source``: "synthetic" (seeded random ids) or "stdlib" (byte-level
     text of the Python standard library, :mod:`tplib.nn.corpus`), or rows of whole
-    documents (:data:`~tplib.nn.data.DOCUMENT_SOURCES`: each stdlib file, or seeded
-    log-normal lengths) placed by ``packing`` (:data:`~tplib.nn.data.PACKINGS`: packed
+    documents (:data:`~tplib.packing.DOCUMENT_SOURCES`: each stdlib file, or seeded
+    log-normal lengths) placed by ``packing`` (:data:`~tplib.packing.PACKINGS`: packed
     first-fit decreasing or greedily, or one document per row padded to L), attention
     kept within documents unless ``document_masking`` is off."""
 
@@ -176,7 +176,7 @@ class Data:
 
     @property
     def packed(self) -> bool:
-        """Rows of documents, with boundaries (:data:`~tplib.nn.data.DOCUMENT_SOURCES`)."""
+        """Rows of documents, with boundaries (:data:`~tplib.packing.DOCUMENT_SOURCES`)."""
         return self.source in DOCUMENT_SOURCES
 
 

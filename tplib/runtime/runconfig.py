@@ -34,7 +34,6 @@ from tplib.nn.configs import (
 from tplib.nn.layer_ranges import StageRange, balanced_stages, check_stage_ranges
 from tplib.nn.lr import LRSchedule
 from tplib.plan import Plan
-from tplib.runtime.batches import check_packed_run
 from tplib.runtime.parts import PARTS, SEEDS, Data, Optim, Parallelism, Timing
 from tplib.schedule import Schedule, make_schedule, schedule_names
 from tplib.schedule.nccl import PostingPlan, check_nccl, posting_plan
@@ -154,12 +153,46 @@ class RunConfig:
             self._check_sequence_parallel(plan, schedule)
         if parallelism.n_cp > 1:
             self._check_context_parallel(cfg, plan, schedule)
-        check_packed_run(self, cfg, plan, schedule)
+        self._check_packed(cfg, plan, schedule)
         posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
             posting = posting_plan(schedule)
             check_nccl(schedule, posting)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule, posting))
+
+    def _check_packed(self, cfg: GPTConfig, plan: Plan, schedule: Schedule) -> None:
+        """Refuse, before any work, what packed rows or per-batch plans cannot run with."""
+        data = self.data
+        if data.packed and (schedule.asynchronous or self.parallelism.n_cp > 1 or cfg.dropout > 0):
+            raise ValueError(
+                f"data source {data.source!r} with schedule {self.schedule_name!r}, "
+                f"#CP={self.parallelism.n_cp}, dropout={cfg.dropout}: packed documents run "
+                "under synchronous schedules, without context parallelism or dropout"
+            )
+        if not self.batch_plans:
+            return
+        if schedule.asynchronous:
+            raise ValueError(
+                f"batch_plans with schedule {self.schedule_name!r}: per-batch plans need a flush "
+                "between iterations (a synchronous schedule)"
+            )
+        if len(self.batch_plans) != self.timing.iterations:
+            raise ValueError(
+                f"{len(self.batch_plans)} batch_plans for {self.timing.iterations} iterations: "
+                "give one plan per iteration"
+            )
+        for i, p in enumerate(self.batch_plans):
+            if not isinstance(p, Plan) or p.batch_slices != plan.batch_slices:
+                raise ValueError(
+                    f"batch_plans[{i}]={p!r}: every per-batch plan keeps the run's batch split "
+                    f"{plan.batch_slices} (the K/V contexts are kept); only token slices change"
+                )
+            p.check_covers(self.pipeline_batch, data.seq_len)
+            # Each plan's schedule validated here, before any process starts.
+            make_schedule(
+                self.schedule_name, self.parallelism.n_stages, p,
+                n_iterations=self.timing.iterations, n_chunks=self.parallelism.n_chunks,
+            )  # fmt: skip
 
     def _check_asynchronous(self, cfg: GPTConfig) -> None:
         """What an asynchronous schedule cannot combine with, and why."""
