@@ -163,23 +163,29 @@ def _windows(
     ``m >= c / (t - a_b)``. So a window [s, t] holds no plan below
     ``split of sum (a_b ceil(c / (t - a_b)) + c) + fill * s``."""
     n, R = ce.shape[1] - 1, len(sizes)
-    a = cost.coefficients(sizes)[0]
+    a, alpha, gamma = cost.coefficients(sizes)
     c = ce[:, n, 0] - a
     s_inf = c + np.where(a >= 0, a, n * a)  # S* with no limit
     # A better plan has t_max <= cut: s_inf + fill * t_max <= S* + fill * t_max < best.
-    cut = (best - float(_split(s_inf[None], np.zeros((1, R)), lo, hi, batch)[0][0])) / fill
+    # (The slack keeps float rounding from cutting the optimum off.)
+    slack = 1e-9 * abs(best)
+    cut = (best + slack - float(_split(s_inf[None], np.zeros((1, R)), lo, hi, batch)[0][0])) / fill
     if eps == 0:
         starts, tops = windows(np.unique(ce[ce <= cut]), 0.0)
     else:
         v = float(ce.min())
         starts = v + eps * np.arange(max(0, int(np.ceil((cut - v) / eps))))
         tops = starts + eps
+    if (alpha < 0).any() or (gamma < 0).any():
+        return starts, tops  # a slice may then cost a_b or less: no bound from the count
     with np.errstate(divide="ignore", invalid="ignore"):
         # (1 - 1e-9): a count that is a whole number must not round up past it.
         m = np.ceil(c / (tops[:, None] - a) * (1 - 1e-9))
-    S = np.where(tops[:, None] > a, c + np.where(a >= 0, a * m, n * a), np.inf)
+    # With c > 0 every slice costs more than a_b; with c = 0 one slice does.
+    m = np.where(c > 0, np.where(tops[:, None] > a, m, np.inf), 1.0)
+    S = np.where(np.isinf(m), np.inf, c + np.where(a >= 0, a * m, n * a))
     bound = _split(S, np.zeros_like(S), lo, hi, batch)[0] + fill * starts
-    keep = bound < best
+    keep = bound < best + slack
     return starts[keep], tops[keep]
 
 

@@ -94,9 +94,9 @@ class PackedCost:
     ) -> PackedCost:
         """Fit ``model`` per batch-slice size 1..``max_batch_slice_size`` on the grid of
         ``granularity`` tokens up to ``seq_len``, least squares on relative error."""
-        check_batch_slice_size(model, max_batch_slice_size)
         if max_batch_slice_size < 1:
             raise ValueError(f"max_batch_slice_size={max_batch_slice_size} must be >= 1")
+        check_batch_slice_size(model, max_batch_slice_size)
         grid = slice_time_table(
             model, seq_len=seq_len, max_batch_slice_size=max_batch_slice_size,
             granularity=granularity,
