@@ -24,8 +24,8 @@ objective, without the gradient all-reduce and the optimizer step). The fit tabl
 priced on the cluster model, against :func:`~tplib.planner.exact_joint` on the model. Planning times are
 wall-clock on this machine, one core. Prints pandas tables::
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_planner_packed.py             # 200 batches
-    PYTHONPATH=. .venv/bin/python scripts/bench_planner_packed.py --quick     # 20, setting (9)
+    .venv/bin/python scripts/bench_planner_packed.py             # 200 batches, (5) (6) (9)
+    .venv/bin/python scripts/bench_planner_packed.py --quick     # 20 batches, setting (9)
 """
 
 from __future__ import annotations
