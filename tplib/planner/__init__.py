@@ -16,7 +16,12 @@ baseline :func:`uniform` / :func:`best_uniform`; :func:`plan_slices` is the entr
 - :mod:`~tplib.planner.memory_joint`: the fastest plan whose peak fits a capacity;
 - :mod:`~tplib.planner.evaluate`: :func:`pipeline_latency` of any plan, the uniform
   baseline;
-- :mod:`~tplib.planner.seq1f1b`: Seq1F1B's equal-FLOP slicing, and the DP beside it.
+- :mod:`~tplib.planner.seq1f1b`: Seq1F1B's equal-FLOP slicing, and the DP beside it;
+- :mod:`~tplib.planner.packed_cost`: slice times on packed rows (:class:`PackedCost`),
+  priced per document by attention pairs, and :func:`packed_latency`;
+- :mod:`~tplib.planner.packed`: plans for a packed batch (:func:`plan_packed`, the exact
+  joint DP over contiguous batch slices; :func:`snap_uniform`, the cheap rule);
+- :mod:`~tplib.planner.plan_cache`: :class:`PlanCache`, plans by a batch's length pattern.
 """
 
 from tplib.planner.cost_table import TableCost, slice_time_table
@@ -24,6 +29,9 @@ from tplib.planner.dp import TokenSlicing, algorithm1, token_dp
 from tplib.planner.evaluate import best_uniform, pipeline_latency, uniform
 from tplib.planner.joint import exact_joint, paper_joint, plan_slices
 from tplib.planner.memory import NothingFitsError, SliceMemory, peak_bytes
+from tplib.planner.packed import plan_packed, snap_uniform
+from tplib.planner.packed_cost import PackedCost, packed_latency
+from tplib.planner.plan_cache import PlanCache
 from tplib.planner.seq1f1b import (
     FlopModel,
     best_seq1f1b,
@@ -36,6 +44,8 @@ from tplib.sim.costs import SliceCostModel
 __all__ = [
     "FlopModel",
     "NothingFitsError",
+    "PackedCost",
+    "PlanCache",
     "SliceCostModel",
     "SliceMemory",
     "TableCost",
@@ -46,12 +56,15 @@ __all__ = [
     "compare_with_dp",
     "equal_flop_slices",
     "exact_joint",
+    "packed_latency",
     "paper_joint",
     "peak_bytes",
     "pipeline_latency",
+    "plan_packed",
     "plan_slices",
     "seq1f1b_plan",
     "slice_time_table",
+    "snap_uniform",
     "token_dp",
     "uniform",
 ]
