@@ -107,12 +107,16 @@ def plan_packed(
     # Row prefix sums of the pairs prefix on the grid: every range's mean in one step.
     C = np.zeros((B + 1, n + 1))
     C[1:] = np.cumsum(documents.pairs_prefix()[:, ::granularity], axis=0)
-    ce = cost.range_grids(sizes, (C[hi] - C[lo]) / sizes[:, None], granularity)
+    Q = (C[hi] - C[lo]) / sizes[:, None]
+    ce = cost.range_grids(sizes, Q, granularity)
     best = _best_uniform(ce, lo, sizes, B, bmax, fill, granularity)
     if fill == 0:  # no fill term: the fewest slices, which no t_max limits
         starts = tops = np.array([np.inf])
     else:
-        starts, tops = _windows(ce, cost, sizes, lo, hi, B, fill, best[2], eps)
+        pairs = Q[:, n] - Q[:, 0]
+        starts, tops = _windows(
+            ce, cost, sizes, pairs, documents.seq_len, lo, hi, B, fill, best[2], eps
+        )
     search = Search(starts, tops, fill, incumbent=best[2])
     while len(p := search.probes(max(1, ROWS // R))):
         rows_b, rows_t = np.tile(np.arange(R), len(p)), np.repeat(search.tops[p], R)
@@ -143,6 +147,8 @@ def _windows(
     ce: np.ndarray,
     cost: PackedCost,
     sizes: np.ndarray,
+    pairs: np.ndarray,
+    seq_len: int,
     lo: np.ndarray,
     hi: np.ndarray,
     batch: int,
@@ -157,14 +163,16 @@ def _windows(
     one, whose DP allows all its slices and finds a plan within eps of its t_max (the
     guarantee of :func:`~tplib.planner.dp.windows`, without sorting millions of times).
 
-    Windows are dropped by a lower bound from the model's form: a batch slice's times sum
-    to ``m a_b + c`` for m slices, whatever the cuts (the token and pair terms add up to
-    ``c``, one slice's time less ``a_b``), and m slices of at most t need
-    ``m >= c / (t - a_b)``. So a window [s, t] holds no plan below
+    Windows are dropped by a lower bound from the model's form. Below its pair-free curve
+    lies a line ``a_b + alpha_b l`` (:meth:`PackedCost.bound`), so each slice costs at
+    least ``a_b`` plus its share of ``c = alpha_b L + gamma_b pairs`` (``pairs``: the
+    range's mean pairs over the whole row), and a batch slice's m slices at least
+    ``m a_b + c``, whatever the cuts; m slices of at most t need ``m >= c / (t - a_b)``.
+    So a window [s, t] holds no plan below
     ``split of sum (a_b ceil(c / (t - a_b)) + c) + fill * s``."""
     n, R = ce.shape[1] - 1, len(sizes)
-    a, alpha, gamma = cost.coefficients(sizes)
-    c = ce[:, n, 0] - a
+    a, alpha, gamma = cost.bound(sizes)
+    c = alpha * seq_len + gamma * pairs
     s_inf = c + np.where(a >= 0, a, n * a)  # S* with no limit
     # A better plan has t_max <= cut: s_inf + fill * t_max <= S* + fill * t_max < best.
     # (The slack keeps float rounding from cutting the optimum off.)
