@@ -53,6 +53,12 @@ def test_op_and_data_parallel_packed_rows_with_recomputation(
     _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
 
 
+def test_packed_rows_with_dropout_match_the_whole_rows(pools: Callable[[int], LocalPool]) -> None:
+    """Dropout is keyed by the rows' positions: the reference is the packed rows whole."""
+    run = _packed("1f1b", CUT, model_overrides=(("dropout", 0.1),))
+    _check_against_reference(run, pools(run.parallelism.world_size).run(run, COLLECT))
+
+
 def test_per_batch_plans_match_documents_run_alone(pools: Callable[[int], LocalPool]) -> None:
     """Each iteration its own token slicing (one cutting documents, one whole)."""
     plans = (CUT, Plan((1, 1), ((3, 29), (16, 8, 8))))

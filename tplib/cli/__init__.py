@@ -220,6 +220,11 @@ def _add_runs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--distributed-optimizer", action="store_true", help=DISTRIBUTED_OPTIMIZER)
     p.add_argument("--steps", type=COUNT, default=10, help="timed iterations")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed iterations first")
+    p.add_argument(
+        "--packed",
+        choices=("corpus", "lognormal"),
+        help="train on rows of whole documents, packed first-fit decreasing",
+    )
     p.add_argument("--out", default="run.json", help="the config file to write")
     p.add_argument("--result", default="result.pt", help="where rank 0 writes the results")
     p.set_defaults(func=run_command)

@@ -132,6 +132,9 @@ def run_command(args: argparse.Namespace) -> int:
     if args.sequence_parallel:  # checked (the slices against #Op) as the run is remade
         layout = dataclasses.replace(run.parallelism, sequence_parallel=True)
         run = dataclasses.replace(run, parallelism=layout)
+    if args.packed:
+        data = dataclasses.replace(run.data, source=f"{args.packed}-documents")
+        run = dataclasses.replace(run, data=data)
     if args.distributed_optimizer:
         sharded = dataclasses.replace(run.parallelism, distributed_optimizer=True)
         run = dataclasses.replace(run, parallelism=sharded)

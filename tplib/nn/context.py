@@ -222,17 +222,25 @@ def merge_partials(
 
 
 def math_attention(
-    q: Tensor, keys: Tensor, values: Tensor, start: int, probs_dropout: ProbsDropout
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    start: int,
+    probs_dropout: ProbsDropout,
+    seen: Tensor | None = None,
 ) -> Tensor:
     """Causal attention written out, with dropout on the probabilities: queries at
     positions ``start..`` over ``keys``/``values`` at positions ``0..``. The fused kernels
     draw their dropout masks from a generator in call order; this path drops by position
-    (see :mod:`tplib.nn.dropout`), so a sliced run drops what the whole sequence drops."""
+    (see :mod:`tplib.nn.dropout`), so a sliced run drops what the whole sequence drops.
+    ``seen``, if given, is the mask of visible keys instead of the causal one (packed
+    rows: :func:`tplib.nn.doc_attention.document_mask`)."""
     length, end = q.shape[2], keys.shape[2]
     qpos = torch.arange(start, start + length, device=q.device)
     kpos = torch.arange(end, device=q.device)
     scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(kpos > qpos.unsqueeze(1), float("-inf"))
+    hidden = kpos > qpos.unsqueeze(1) if seen is None else ~seen
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return probs_dropout(probs, qpos, kpos) @ values
 

@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tplib.documents import Documents, Segment
-from tplib.nn.context import LayerContext, append_kv, merge_partials
+from tplib.nn.context import (
+    LayerContext,
+    ProbsDropout,
+    append_kv,
+    math_attention,
+    merge_partials,
+)
 from tplib.nn.selective import Core, attention_core
 
 __all__ = ["document_attention", "document_mask"]
@@ -62,6 +68,7 @@ def document_attention(
     layer: LayerContext | None,
     start: int,
     documents: Documents,
+    probs_dropout: ProbsDropout | None = None,
     *,
     recompute: bool = False,
 ) -> Tensor:
@@ -69,7 +76,9 @@ def document_attention(
 
     ``q``, ``k``, ``v`` are the slice's own ``(batch, n_head, l, head_dim)``; with a
     ``layer`` context its keys and values are written there and the slice also sees its
-    documents' earlier keys. Without one, ``start`` must be 0 (whole rows)."""
+    documents' earlier keys. Without one, ``start`` must be 0 (whole rows). With
+    ``probs_dropout`` the attention is written out (:func:`~tplib.nn.context.math_attention`
+    under the document mask), its dropout keyed by the row's positions."""
     end = start + q.shape[2]
     if documents.batch != q.shape[0] or documents.seq_len < end:
         raise ValueError(
@@ -86,13 +95,19 @@ def document_attention(
         if start == 0 and not layer.recomputing:
             layer.grad_k.zero_()
             layer.grad_v.zero_()
+    if probs_dropout is not None:
+        seen = document_mask(documents, start, end, q.device)
+        core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout, seen=seen)
+        if layer is not None:
+            k, v = append_kv(k, v, layer, start)
+        return attention_core(core, q, k, v, recompute=recompute)
     impl = layer.impl if layer is not None else None
     impl = impl or ("split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked")
     if impl == "split":
         if q.device.type != "cpu":
             raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")
         segments = documents.segments(start, end)
-        core: Core = partial(_split, layer=layer, start=start, segments=segments)
+        core = partial(_split, layer=layer, start=start, segments=segments)
         return attention_core(core, q, k, v, recompute=recompute)
     mask = document_mask(documents, start, end, q.device)
     if layer is None:

@@ -106,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         )
         if documents is not None:
             y = document_attention(
-                q, k, v, context, start, documents, recompute=self.recompute_core
+                q, k, v, context, start, documents, drop, recompute=self.recompute_core
             )
         elif self.cp is not None:
             y = ring_attention(q, k, v, context, start, self.cp, recompute=self.recompute_core)
@@ -161,7 +161,7 @@ class Block(nn.Module):
             return x + self.mlp(self.ln_2(x))
         dropout, layer = drop
         probs = dropout.probs(layer_site(layer, SITE_PROBS), self.attn.heads)
-        a = self.attn(self.ln_1(x), start, context, probs)
+        a = self.attn(self.ln_1(x), start, context, probs, documents)
         x = x + dropout.hidden(a, layer_site(layer, SITE_ATTENTION))
         return x + dropout.hidden(self.mlp(self.ln_2(x)), layer_site(layer, SITE_MLP))
 
@@ -290,18 +290,15 @@ class GPTStage(nn.Module):
             head_dim=self.cfg.head_dim, dtype=dtype, device=device, impl=attention,
         )  # fmt: skip
 
-    def _check_documents(
-        self, documents: Documents, rows: int, end: int, dropout: DropoutKey | None
-    ) -> None:
+    def _check_documents(self, documents: Documents, rows: int, end: int) -> None:
         if documents.batch != rows or documents.seq_len < end:
             raise ValueError(
                 f"documents of {documents.batch} rows x {documents.seq_len} tokens for "
                 f"{rows} rows up to token {end}: they must describe the rows run"
             )
-        if self.cp is not None or (dropout is not None and self.cfg.dropout > 0):
+        if self.cp is not None:
             raise ValueError(
-                f"packed documents with #CP={self.n_cp} or dropout={self.cfg.dropout}: "
-                "document-masked attention supports neither"
+                f"packed documents with #CP={self.n_cp}: the ring attention does not mask documents"
             )
 
     def _check_length(self, start: int, length: int) -> None:
@@ -327,7 +324,7 @@ class GPTStage(nn.Module):
         if context is None and start != 0:
             raise ValueError(f"start={start} without a context: a slice needs its K/V context")
         if documents is not None:
-            self._check_documents(documents, x.shape[0], start + length, dropout)
+            self._check_documents(documents, x.shape[0], start + length)
         # The tokens of the residual stream on this rank: [first, first + tokens).
         offset, tokens = sequence_shard(length, self.op)
         first = start + offset

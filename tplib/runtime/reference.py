@@ -98,17 +98,21 @@ def torch_lr_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> LRSc
     )
 
 
-def _documents_loss(model: GPTStage, run: RunConfig, i: int) -> Tensor:
+def _documents_loss(model: GPTStage, run: RunConfig, i: int, key: DropoutKey | None) -> Tensor:
     """Iteration ``i``'s mean loss over packed rows as the sum over its documents run one
     at a time, unpacked, through the whole model (the rows themselves, attending across
-    documents, when ``document_masking`` is off): what packing must not change."""
+    documents, when ``document_masking`` is off): what packing must not change. With
+    dropout, whose masks are keyed by the rows' positions, the packed rows whole."""
     data = run.data
     packed = document_batch(
         run.cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
     )
     counted = int((packed.targets != IGNORE).sum())
     if not data.document_masking:
-        return model(packed.tokens, targets=packed.targets) / counted
+        return model(packed.tokens, targets=packed.targets, dropout=key) / counted
+    if key is not None:
+        loss = model(packed.tokens, targets=packed.targets, dropout=key, documents=packed.documents)
+        return loss / counted
     total = torch.zeros(())
     for tokens, targets in packed.unpacked():
         total = total + model(tokens, targets=targets)
@@ -139,7 +143,7 @@ def train_reference(run: RunConfig) -> ReferenceResult:
     for i in range(run.timing.iterations):
         key = DropoutKey.for_iteration(run.seed, i) if run.cfg.dropout > 0 else None
         if data.packed:  # every document alone, whole and unpacked
-            loss = _documents_loss(model, run, i)
+            loss = _documents_loss(model, run, i, key)
             loss.backward()
         else:
             tokens, targets = training_batch(

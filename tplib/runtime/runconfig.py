@@ -163,11 +163,11 @@ class RunConfig:
     def _check_packed(self, cfg: GPTConfig, plan: Plan, schedule: Schedule) -> None:
         """Refuse, before any work, what packed rows or per-batch plans cannot run with."""
         data = self.data
-        if data.packed and (schedule.asynchronous or self.parallelism.n_cp > 1 or cfg.dropout > 0):
+        if data.packed and (schedule.asynchronous or self.parallelism.n_cp > 1):
             raise ValueError(
-                f"data source {data.source!r} with schedule {self.schedule_name!r}, "
-                f"#CP={self.parallelism.n_cp}, dropout={cfg.dropout}: packed documents run "
-                "under synchronous schedules, without context parallelism or dropout"
+                f"data source {data.source!r} with schedule {self.schedule_name!r} and "
+                f"#CP={self.parallelism.n_cp}: packed documents run under synchronous "
+                "schedules, without context parallelism"
             )
         if not self.batch_plans:
             return
