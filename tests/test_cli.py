@@ -319,6 +319,16 @@ def test_run_writes_a_setting_config_and_prints_how_to_launch_it(
     assert tokens[tokens.index("--out") + 1] == "result.pt"
 
 
+def test_run_on_packed_documents_records_the_source(tmp_path: Path) -> None:
+    from tplib.runtime import load_run_config
+
+    out = tmp_path / "run.json"
+    argv = ["run", "--setting", "9", "--plan", "gpipe", "--out", str(out), "--packed", "corpus"]
+    assert main(argv) == 0
+    data = load_run_config(out).data
+    assert (data.source, data.packing, data.document_masking) == ("corpus-documents", "ffd", True)
+
+
 def test_run_with_sequence_parallelism_records_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -392,6 +402,7 @@ def test_bench_3d_with_recompute_reports_memory(capsys: pytest.CaptureFixture[st
         (["--recompute", "partial"], "recompute='partial' is not a recompute mode"),
         (["--dtype", "fp8"], "unknown precision 'fp8'"),
         (["--device", "tpu"], "device='tpu'"),
+        (["--packed", "corpus", "--schedule", "2bw", "--slices", "1"], "packed documents run"),
         (["--chunks", "2"], "n_chunks=2 with schedule 'terapipe': it holds exactly 1"),
         (
             ["--schedule", "terapipe-interleaved", "--chunks", "3"],
