@@ -224,7 +224,8 @@ def simulate(
                 if src == "corpus":
                     cache += _cache(head, streams[src, True], plans, cost, K, granularity,
                                     cache_buckets)  # fmt: skip
-                if example is None or example["plan"].batch < B:
+                # The figure draws the largest batch of many documents a row.
+                if src == "lognormal" and (example is None or example["plan"].batch < B):
                     first = streams[src, True][0]
                     example = {"documents": first.documents(), "plan": plans[0][0],
                                "title": f"({i}) {cluster}, {src}: batch 0's DP plan",
@@ -296,7 +297,8 @@ def _summary(df: pd.DataFrame, head: dict[str, Any], residual: float) -> list[di
     for scheme, part in df.groupby("scheme", sort=False):
         real, seconds = int(part.real_tokens.sum()), float(part.iteration_s.sum())
         out.append(
-            {**head, "scheme": scheme, "real_tokens": real,
+            {**{k: head[k] for k in ("setting", "cluster", "source")}, "scheme": scheme,
+             **head, "real_tokens": real,
              "padding_fraction": part.padding_tokens.sum() / (len(part) * head["B"] * SEQ_LEN),
              "docs_per_row": part.documents.sum() / (len(part) * head["B"]),
              "n_slices": part.n_slices.mean(), "iteration_s": part.iteration_s.mean(),
