@@ -13,9 +13,11 @@ the setting's B / #Data rows, each batch is planned by
 - ``whole``: that unpacked plan itself, unchanged for every batch;
 - ``cache``: :class:`~tplib.planner.PlanCache` in front of the DP, at several buckets.
 
-Documents: a log-normal of median 256 tokens (sigma 1), or the standard library's file
-sizes (+1) as byte-token documents; packed first-fit decreasing into rows of L tokens,
-documents longer than L cut into L-token pieces, the rest of each row padding.
+Documents: the packed-sequences table's stream (:func:`~tplib.tables.packed_sequences.batches`
+over :func:`~tplib.nn.doc_lengths.document_stream`): log-normal lengths of median 256
+tokens (sigma 1), or the standard library's files as byte-token documents; packed
+first-fit decreasing into rows of L tokens, documents longer than L cut into L-token
+pieces, the rest of each row padding, what a batch leaves out carried to the next.
 
 The iteration time is the fill-drain latency ``sum t + (K - 1) max t`` of the plan on the
 packed rows (:func:`~tplib.planner.packed_latency` on the fitted cost: the planner's
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -44,6 +46,7 @@ from tplib.cluster.calibration import CALIBRATIONS
 from tplib.cluster.hardware import CLUSTERS
 from tplib.cluster.implementation import Implementation, Platform
 from tplib.documents import Documents
+from tplib.nn.doc_lengths import document_stream
 from tplib.paper import setting
 from tplib.plan import Plan
 from tplib.planner import (
@@ -57,44 +60,11 @@ from tplib.planner import (
 )
 from tplib.planner.cost_table import slice_time_table
 from tplib.search.setting import EPS, cost_model
+from tplib.tables.packed_sequences import batches as packed_batches
 
 T = TypeVar("T")
 L = 2048
 BUCKETS = (8, 64, 256, L)
-
-
-def lognormal_lengths(rng: np.random.Generator) -> Callable[[], int]:
-    return lambda: int(np.exp(rng.normal(np.log(256), 1.0))) + 1
-
-
-def stdlib_lengths(rng: np.random.Generator) -> Callable[[], int]:
-    from tplib.nn.corpus import corpus_files  # imports torch: only for this source
-
-    sizes = np.array([p.stat().st_size + 1 for p in corpus_files()])
-    return lambda: int(sizes[rng.integers(len(sizes))])
-
-
-def packed_batches(draw: Callable[[], int], rows: int) -> Iterator[Documents]:
-    """Batches of ``rows`` rows, first-fit decreasing: the documents drawn until they
-    fill the batch, sorted longest first, each into the first row with room; the first
-    ``rows`` rows make the batch, the documents of the others wait for the next one."""
-    waiting: list[int] = []
-    while True:
-        while sum(waiting) < rows * L:
-            n = draw()
-            waiting += [L] * (n // L) + ([n % L] if n % L else [])
-        bins: list[list[int]] = []
-        for n in sorted(waiting, reverse=True):
-            row = next((b for b in bins if sum(b) + n <= L), None)
-            if row is None:
-                bins.append(row := [])
-            row.append(n)
-        waiting = [n for b in bins[rows:] for n in b]
-        bounds = []
-        for b in bins[:rows]:
-            cuts = np.cumsum([0, *b]).tolist()
-            bounds.append(tuple(cuts if cuts[-1] == L else [*cuts, L]))  # padding segment
-        yield Documents(tuple(bounds), L)
 
 
 def timed(f: Callable[[], T]) -> tuple[T, float]:
@@ -163,10 +133,10 @@ def run_batches(
     def latency(p: Plan, docs: Documents) -> float:
         return packed_latency(p, cost, docs, K)
 
-    rng = np.random.default_rng(seed)
-    draw = (lognormal_lengths if source == "lognormal" else stdlib_lengths)(rng)
+    stream = document_stream(source, seq_len=L, seed=seed)
     batches, n_docs = [], []
-    for docs, _ in zip(packed_batches(draw, B), range(n_batches), strict=False):
+    for packing in packed_batches(stream, rows=B, n_batches=n_batches, packed=True):
+        docs = packing.documents()
         dp, dp_ms = timed(
             partial(plan_packed, cost, docs, n_stages=K, eps=EPS, max_batch_slice_size=b)
         )
@@ -233,7 +203,7 @@ def main() -> None:
     print(fit_table(args.settings, args.bmax).to_string(index=False))
     summaries, caches = [], []
     for i in args.settings:
-        for source in ("lognormal", "stdlib"):
+        for source in ("lognormal", "corpus"):
             summary, batches, latency = run_batches(i, source, args.batches, args.bmax, args.seed)
             summaries.append(summary)
             caches += cache_rows({"setting": f"({i})", "docs": source}, batches, latency)

@@ -39,6 +39,7 @@ SMALL = {
     "layout_search": {"settings": [10]},
     "modern_clusters": {"settings": [10], "clusters": ["dgx-h100"]},
     "long_context": {"studies": ["GPT3-13B/dgx-h100"], "seq_lens": [32768]},
+    "packed_sequences": {"settings": [9], "clusters": ["dgx-h100"]},
 }
 
 
@@ -100,6 +101,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
         "layout_search",
         "modern_clusters",
         "long_context",
+        "packed_sequences",
     ):
         assert (results / name / f"{name}-simulate.png").exists()
     summary = (results / "SUMMARY.md").read_text()
@@ -112,7 +114,7 @@ def test_a_fresh_copy_reproduces_and_an_interrupted_run_resumes(tmp_path: Path) 
     assert (copy / path).resolve() == (results / "SUMMARY.md").resolve()
     assert printed == summary + "\n"
     # Each table's reproduced rows equal the copy's committed ones.
-    assert summary.count("**Equal to the committed reference**") == 7, summary
+    assert summary.count("**Equal to the committed reference**") == 8, summary
     assert "| 9 | GPT3-175B | 6.745 |" in summary  # the paper's speedup beside ours
     assert not list(results.rglob(".*.ipynb")) and not list(results.rglob(".*.csv"))
 
@@ -303,10 +305,11 @@ def test_only_this_runs_finished_jobs_are_skipped(tmp_path: Path, fake: FakeNote
         "layout_search",
         "modern_clusters",
         "long_context",
+        "packed_sequences",
     ]
     # A finished run starts anew: every job again.
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert not report.resumed and len(report.ran) == 7 and not report.skipped
+    assert not report.resumed and len(report.ran) == 8 and not report.skipped
 
 
 @pytest.mark.parametrize("change", ["params", "code", "force", "outputs"])
@@ -328,7 +331,7 @@ def test_anything_but_the_same_unfinished_run_starts_anew(
     if change == "outputs":
         assert report.resumed and [j.table for j in report.skipped] == ["dp_ablation"]
     else:
-        assert not report.resumed and not report.skipped and len(report.ran) == 7
+        assert not report.resumed and not report.skipped and len(report.ran) == 8
 
 
 def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks) -> None:
@@ -343,6 +346,7 @@ def test_the_manifest_is_never_half_written(tmp_path: Path, fake: FakeNotebooks)
         "layout_search",
         "modern_clusters",
         "long_context",
+        "packed_sequences",
     ]
     assert all(j["finished"] and j["seconds"] >= 0 for j in state["jobs"])
     hidden = [p.relative_to(tmp_path) for p in tmp_path.rglob(".*")]
@@ -358,12 +362,14 @@ def test_default_jobs_cover_the_tables_of_each_mode() -> None:
         ("layout_search", "simulate"),
         ("modern_clusters", "simulate"),
         ("long_context", "simulate"),
+        ("packed_sequences", "simulate"),
         ("main_results", "measure"),
         ("dp_ablation", "measure"),
         ("seqlen_sweep", "measure"),
         ("simulator_validation", "measure"),
         ("pipeline_systems", "measure"),
         ("long_context", "measure"),
+        ("packed_sequences", "measure"),
     ]
     per_mode = default_jobs("all", {"main_results": {"simulate": {"settings": [9]}}})
     assert per_mode[0].params == {"settings": [9]} and per_mode[6].params == {}
@@ -425,7 +431,7 @@ def test_a_failed_summary_is_written_by_the_next_run(
         reproduce("simulate", root=tmp_path, progress=False)
     monkeypatch.setattr(rp, "_summary", lambda *args: "summary\n")
     report = reproduce("simulate", root=tmp_path, progress=False)
-    assert report.resumed and len(report.skipped) == 7 and not report.ran
+    assert report.resumed and len(report.skipped) == 8 and not report.ran
     assert (tmp_path / "SUMMARY.md").read_text() == "summary\n"
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import sysconfig
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from tplib.nn.doc_lengths import corpus_files, stdlib_root
 
 __all__ = [
     "VOCAB_SIZE",
@@ -33,27 +34,6 @@ __all__ = [
 
 VOCAB_SIZE = 256  # byte-level tokens
 _DEFAULT_MAX_BYTES = 4 * 2**20  # a few MB: minutes of CPU training never see it twice
-# Directories whose sources are not the library itself: installed packages, test suites
-# (which carry deliberately malformed and odd-encoded files), the IDE, byte-code caches.
-_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-)
-
-
-def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path | None = None) -> list[Path]:
-    """The standard library's ``.py`` files under ``root`` (default: this interpreter's
-    stdlib), sorted by their path relative to it, excluded directories left out."""
-    root = root or _stdlib_root()
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,7 +48,7 @@ def _corpus_bytes(max_bytes: int, root: str | None) -> bytes:
         if size >= max_bytes:
             break
     if size < 2:
-        raise RuntimeError(f"no standard-library sources found under {root or _stdlib_root()}")
+        raise RuntimeError(f"no standard-library sources found under {root or stdlib_root()}")
     return b"".join(parts)
 
 

@@ -18,6 +18,9 @@ Two sources of documents:
   never needs splitting (about 2 % reach the clip at the defaults); the corpus's long
   files are what exercises ``split_long``.
 
+Both sources' lengths come from :mod:`tplib.nn.doc_lengths`, which needs no torch: a
+simulated study of packing draws the same lengths there.
+
 :func:`packed_batch` draws one batch from a source, as :func:`tplib.nn.data.synthetic_batch`
 does: batch i drawn with its own seed, independent of every other. Documents are drawn
 until their tokens fill the batch's rows, then packed by :func:`tplib.packing.pack` into
@@ -42,7 +45,14 @@ import torch
 from torch import Tensor
 
 from tplib.documents import IGNORE, Documents
-from tplib.nn.corpus import VOCAB_SIZE, corpus_files
+from tplib.nn.corpus import VOCAB_SIZE
+from tplib.nn.doc_lengths import (
+    MEDIAN_PER_ROW,
+    SIGMA,
+    SOURCES,
+    corpus_files,
+    lognormal_lengths,
+)
 from tplib.packing import Packing, pack, pad_each
 
 __all__ = [
@@ -56,10 +66,6 @@ __all__ = [
     "pack_documents",
     "packed_batch",
 ]
-
-SOURCES = ("corpus", "lognormal")
-MEDIAN_PER_ROW = 1 / 8  # the log-normal median as a share of seq_len: 256 at L = 2048
-SIGMA = 1.0  # the log-normal's shape: the standard deviation of log(length)
 
 
 @functools.lru_cache(maxsize=2)
@@ -88,27 +94,6 @@ def corpus_documents(max_bytes: int | None = None, root: str | None = None) -> l
     files skipped, all of them or until ``max_bytes`` (the last one cut there). The files
     are read once per process and cached."""
     return [d.long() for d in _corpus_bytes(max_bytes, root)]
-
-
-def lognormal_lengths(
-    n: int,
-    *,
-    seq_len: int,
-    seed: int,
-    median: float | None = None,
-    sigma: float = SIGMA,
-) -> list[int]:
-    """``n`` document lengths, log-normal with ``median`` (default ``seq_len *``
-    :data:`MEDIAN_PER_ROW`) and ``sigma``, rounded and clipped to ``[1, seq_len]``; drawn
-    by a numpy generator seeded with ``seed``."""
-    median = seq_len * MEDIAN_PER_ROW if median is None else median
-    if n < 0 or seq_len < 1 or median <= 0 or sigma < 0:
-        raise ValueError(
-            f"n={n}, seq_len={seq_len}, median={median}, sigma={sigma}: a count >= 0, a "
-            "row of >= 1 token, a positive median and sigma >= 0"
-        )
-    draws = np.random.default_rng(seed).lognormal(math.log(median), sigma, n)
-    return [int(x) for x in np.clip(np.rint(draws), 1, seq_len)]
 
 
 def lognormal_documents(lengths: Sequence[int], *, seed: int, vocab_size: int) -> list[Tensor]:

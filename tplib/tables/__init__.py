@@ -11,6 +11,7 @@ table                      paper                  module
 ``layout_search``          Table 1 (layouts)      :mod:`tplib.tables.layout_search`
 ``modern_clusters``        (beyond: DGX nodes)    :mod:`tplib.tables.modern_clusters`
 ``long_context``           (beyond: Table 4)      :mod:`tplib.tables.long_context`
+``packed_sequences``       (beyond: documents)    :mod:`tplib.tables.packed_sequences`
 =========================  =====================  ======================================
 
 :func:`run_table` builds one and returns a :class:`~tplib.tables.base.TableResult` (its
@@ -63,6 +64,7 @@ _MODULES = {
     "layout_search": "layout_search",
     "modern_clusters": "modern_clusters",
     "long_context": "long_context",
+    "packed_sequences": "packed_sequences",
 }
 TABLE_NAMES = tuple(_MODULES)
 

@@ -44,10 +44,13 @@ __all__ = [
 
 Mode = Literal["simulate", "measure"]
 MODES: tuple[Mode, ...] = ("simulate", "measure")
-# Wall times of tplib's own code (planning, profiling): they vary from run to run, so
+# Wall times of tplib's own code (planning, profiling; ``plan_pct``: planning's share of
+# a simulated iteration): they vary from run to run, so
 # comparisons with a reference leave them out. Everything else in a simulated table is
 # deterministic.
-TIMING_COLUMNS = frozenset({"plan_seconds", "profile_seconds", "search_seconds"})
+TIMING_COLUMNS = frozenset(
+    {"plan_seconds", "profile_seconds", "search_seconds", "plan_ms", "plan_pct"}
+)
 
 
 def is_timing(column: str) -> bool:

@@ -81,7 +81,7 @@ from tplib.schedule import held_versions, make_schedule
 from tplib.search.setting import EPS, paper_flops, plan_terapipe, setting_fields
 from tplib.sim.simulate import simulate as simulate_schedule
 from tplib.sim.throughput import steady_of, steady_window
-from tplib.tables.base import Comparison, Rows, Table, TableMode, TableResult
+from tplib.tables.base import Comparison, Rows, Table, TableMode, TableResult, is_timing
 from tplib.tables.systems import (
     MEASURED,
     SYSTEMS,
@@ -269,10 +269,13 @@ def save_tables(
     result: TableResult, out_dir: str | os.PathLike[str], tag: str | None = None
 ) -> list[Path]:
     """Save ``result``'s CSV and figure (:meth:`TableResult.save`) and each extra table
-    as ``<name>-<tag>-<key>.csv`` beside them; return every path written."""
+    as ``<name>-<tag>-<key>.csv`` beside them, a simulated one without its wall times
+    (as the CSV); return every path written."""
     csv, png = result.save(out_dir, tag)
     paths = [csv, png]
     for key, extra in result.extras.items():
+        if result.mode == "simulate":
+            extra = extra.drop(columns=[c for c in extra.columns if is_timing(c)])
         paths.append(write_csv(extra, csv.with_name(f"{csv.stem}-{key}.csv")))
     return paths
 
