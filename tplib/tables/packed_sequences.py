@@ -58,7 +58,6 @@ share of the iteration, and what the cached plans cost against each batch's own.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -79,6 +78,7 @@ from tplib.plan import Plan, grid_size
 from tplib.planner import PackedCost, PlanCache, packed_latency, plan_packed, snap_uniform
 from tplib.search.setting import EPS, GRANULARITY, cost_model
 from tplib.tables.base import Comparison, Rows, Table, TableMode
+from tplib.tables.packed_measure import measure
 from tplib.tables.packed_report import figure, findings, measured_figure, measured_findings
 
 __all__ = [
@@ -339,26 +339,6 @@ def _cache(
     return out
 
 
-def _missing_measure() -> Rows:
-    raise ValueError(
-        "table 'packed_sequences' in measure mode runs tplib/tables/packed_measure.py, "
-        "which this checkout does not have: run it in simulate mode"
-    )
-
-
-def _measure_builder() -> Callable[..., Rows]:
-    """The measured side's builder (CPU runs, torch), or a stand-in that says it is not
-    there: this module stays importable, and torch-free, without it."""
-    name = "tplib.tables.packed_measure"
-    try:
-        build: Callable[..., Rows] = importlib.import_module(name).measure
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return _missing_measure
-    return build
-
-
 TABLE = Table(
     "packed_sequences",
     "beyond the paper: packed documents",
@@ -373,7 +353,7 @@ TABLE = Table(
             compare=Comparison(("setting", "cluster", "source", "scheme"), "real_tokens_per_s"),
         ),
         "measure": TableMode(
-            _measure_builder(),
+            measure,
             figure=measured_figure,
             findings=measured_findings,
             columns="source scheme n_slices latency latency_round_min latency_round_max "
