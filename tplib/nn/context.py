@@ -105,6 +105,18 @@ class LayerContext:
     def seq_len(self) -> int:
         return self.k.shape[2]
 
+    def begin_slice(self, start: int, end: int) -> None:
+        """Check that slice ``[start, end)`` fits; the first slice of a new pass clears the
+        gradients (nothing has been accumulated for this sequence yet), a recomputed one
+        keeps what later slices added."""
+        if end > self.seq_len:
+            raise ValueError(
+                f"slice [{start}, {end}) runs past the context buffer of {self.seq_len} tokens"
+            )
+        if start == 0 and not self.recomputing:
+            self.grad_k.zero_()
+            self.grad_v.zero_()
+
 
 class StageContext:
     """The :class:`LayerContext` of every layer of a stage, for one batch slice."""
@@ -265,14 +277,7 @@ def slice_attention(
     it again never clears what later slices accumulated.
     """
     end = start + k.shape[2]
-    if end > layer.seq_len:
-        raise ValueError(
-            f"slice [{start}, {end}) runs past the context buffer of {layer.seq_len} tokens"
-        )
-    if start == 0 and not layer.recomputing:
-        # A new pass over this sequence: nothing has been accumulated for it yet.
-        layer.grad_k.zero_()
-        layer.grad_v.zero_()
+    layer.begin_slice(start, end)
     if probs_dropout is not None:
         keys, values = append_kv(k, v, layer, start)
         core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout)

@@ -88,13 +88,7 @@ def document_attention(
     if layer is None and start != 0:
         raise ValueError(f"start={start} without a context: a slice needs its K/V context")
     if layer is not None:
-        if end > layer.seq_len:
-            raise ValueError(
-                f"slice [{start}, {end}) runs past the context buffer of {layer.seq_len} tokens"
-            )
-        if start == 0 and not layer.recomputing:
-            layer.grad_k.zero_()
-            layer.grad_v.zero_()
+        layer.begin_slice(start, end)
     if probs_dropout is not None:
         seen = document_mask(documents, start, end, q.device)
         core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout, seen=seen)
