@@ -361,3 +361,14 @@ def test_batch_slices_beyond_the_cost_model_are_refused() -> None:
         plan_slices(cost, seq_len=24, batch=3, n_stages=2, max_batch_slice_size=3)
     with pytest.raises(ValueError, match=r"max_batch_slice_size=0 is outside 1 or more"):
         plan_slices(LinearCost(), seq_len=24, batch=3, n_stages=2, max_batch_slice_size=0)
+
+
+def test_one_stage_plans_when_small_limits_fit_only_larger_batch_slices() -> None:
+    """K = 1 (no fill term): limits under which only batch slices of 2 fit leave an odd
+    batch without a split; those tries must not hide the plans found beside them."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        times = rng.random((2, 6, 6))
+        times[0] += 0.5  # one sequence alone costs more than two together
+        got = exact_joint(TableCost(times, G), seq_len=5 * G, batch=3, n_stages=1)
+        assert got.latency == pytest.approx(brute_exact_joint(times, 5, 3, 1, 2), abs=TOL)

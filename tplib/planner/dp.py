@@ -44,20 +44,26 @@ every slicing whose largest slice falls in the window is allowed and the result 
 ``(K - 1) / v * eps`` of the optimum (eps=0: one window per value, exact). (Trying the
 window's *first* value, as a literal reading of the paper does, loses that bound when the
 next candidate lies far above.) Windows are searched by branch and bound, many at once in
-one vectorised DP: ``S*`` never increases with ``t_max``, so the windows between two
-evaluated ones a < c cannot beat ``S*(c) + (K - 1) * start`` nor ``K * start`` (the paper's
-stop rule), and a gap whose bound reaches the best T found is dropped.
+one DP sweep. The first sweep tries a ladder of limits, 2**-4 .. 2**-10 of the span above
+the lowest window: the fill term favours small t_max, and small limits keep the sweep's
+band of slices narrow. Then ``S*`` never increasing with ``t_max`` bounds the windows
+between two evaluated ones a < c by ``S*(c) + (K - 1) * start`` and ``K * start`` (the
+paper's stop rule); a plan found at c rules out the windows from its largest slice up to
+c (each plan there sums at least S*(c)); and a gap whose bound reaches the best T found is
+dropped. The answer is the best T over the windows, whatever order they are tried in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 
 import numpy as np
 
-from tplib.planner.cost_table import by_end, check_batch_slice_size, slice_time_table
+from tplib.planner.cost_table import check_batch_slice_size, derive, end_table
 from tplib.sim.costs import SliceCostModel
 
 __all__ = [
@@ -72,6 +78,8 @@ __all__ = [
 ]
 
 PROBES = 16  # t_max windows probed per objective per DP sweep; more = fewer, wider sweeps
+LADDER = (4.0, 10.0)  # the first sweep's limits: 2**-4 .. 2**-10 of the windows' span up
+LADDER_PROBES = 8  # windows in that first sweep, per objective
 
 
 @dataclass(frozen=True)
@@ -86,40 +94,77 @@ class TokenSlicing:
 
 # ---- the DP (Algorithm 1), vectorised over many (batch-slice size, t_max) rows ---------
 
+BLOCK = 1 << 16  # DP cells (slice x row) prepared at once: small enough to stay in cache
+
+
+def _band(ce: np.ndarray, bs: np.ndarray, limit: float) -> np.ndarray:
+    """``lo[i]``: the first start j of a slice ending at i with a time <= ``limit`` for some
+    size in ``bs`` (``i`` if none): with costs growing in length, a narrow band of starts."""
+    n = ce.shape[1] - 1
+    fits = ce[bs[0]] <= limit
+    for b in bs[1:]:
+        fits |= ce[b] <= limit
+    return np.where(fits.any(axis=1), fits.argmax(axis=1), np.arange(n + 1))
+
+
+def _blocks(lo: np.ndarray, rows: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """The band's cells (end i, start j >= lo[i]) in blocks of about BLOCK cells x rows:
+    (first end, end past the last, the block's i, its j), i ascending, then j."""
+    n, width = len(lo) - 1, np.arange(len(lo)) - lo
+    off, i = np.concatenate(([0], np.cumsum(width))), 1
+    while i <= n:
+        e = min(n + 1, max(i + 1, int(np.searchsorted(off, off[i] + BLOCK // rows, "right")) - 1))
+        ends = np.repeat(np.arange(i, e), width[i:e])
+        yield i, e, ends, np.arange(off[i], off[e]) - np.repeat(off[i:e] - lo[i:e], width[i:e])
+        i = e
+
 
 def run_dp(
     ce: np.ndarray, rows_b: np.ndarray, rows_t: np.ndarray, values: np.ndarray | None = None
 ) -> tuple[np.ndarray, ...]:
     """Eq. 8 for every row r (batch-slice size rows_b[r], limit rows_t[r]) at once.
     Returns S*(n) (inf if no slicing fits), the max slice time of the chosen slicing, and
-    back-pointers (start of the last slice ending at each i). With ``values`` (a grid
-    shaped as ``ce``) the DP sums those instead of the times, still bounding each slice's
-    time by the row's limit: the memory-aware planner's penalised or memory sums."""
-    values = ce if values is None else values
+    back-pointers (start of the last slice ending at each i); the last two only mean
+    something where S*(n) is finite. With ``values`` (a grid shaped as ``ce``) the DP
+    sums those instead of the times, still bounding each slice's time by the row's limit:
+    the memory-aware planner's penalised or memory sums. Ties go to the earliest start."""
     n, r = ce.shape[1] - 1, len(rows_t)
-    rows = np.arange(r)
-    S = np.full((r, n + 1), np.inf)
-    S[:, 0] = 0.0
-    M = np.zeros((r, n + 1))
-    back = np.zeros((r, n + 1), dtype=np.int64)
-    # Slices no row may take are skipped: with costs growing in length, this confines each
-    # end position to the few starts whose slice fits under the largest t_max of the sweep.
-    fits = (ce[np.unique(rows_b)] <= rows_t.max()).any(axis=0)
-    first = np.where(fits.any(axis=1), fits.argmax(axis=1), np.arange(n + 1))
-    limit = rows_t[:, None]
-    for i in range(1, n + 1):
-        lo = first[i]
-        if lo == i:
-            continue
-        c = ce[rows_b, i, lo:i]
-        v = np.where(
-            c <= limit, S[:, lo:i] + (c if values is ce else values[rows_b, i, lo:i]), np.inf
-        )
-        k = v.argmin(axis=1)
-        S[:, i] = v[rows, k]
-        back[:, i] = lo + k
-        M[:, i] = np.maximum(M[rows, lo + k], c[rows, k])
-    return S[:, n], M[:, n], back
+    bs, col = np.unique(rows_b, return_inverse=True)
+    lo = _band(ce, bs, float(rows_t.max()))
+    S = np.full((n + 1, r), np.inf)  # S[i, r]: positions down, rows across
+    S[0], none, rows = 0.0, np.zeros(r, dtype=np.intp), np.arange(r)
+    K, buf, add = [none], np.empty((n + 1, r)), np.add  # K[i]: back-pointer minus lo[i]
+    limited = values is not None or bool(np.isfinite(rows_t).any())
+    for i, e, ends, starts in _blocks(lo, r):
+        c = ce[bs[:, None], ends, starts].T.take(col, axis=1)
+        if limited:
+            over = c > rows_t
+            if values is not None:
+                c = values[bs[:, None], ends, starts].T.take(col, axis=1)
+            np.putmask(c, over, np.inf)
+        o = 0
+        # The sequential heart of Algorithm 1: one add and one argmin per end position,
+        # every row at once; a slice over the limit costs inf.
+        for q, a in zip(range(i, e), lo[i:e].tolist(), strict=True):
+            if q == a:
+                K.append(none)
+                continue
+            x = add(S[a:q], c[o : o + q - a], out=buf[: q - a])
+            k = x.argmin(axis=0)
+            S[q] = x[k, rows]
+            K.append(k)
+            o += q - a
+    back = lo[:, None] + np.array(K)
+    back[lo == np.arange(n + 1)] = 0  # no slice ends here (and position 0): a root
+    # The largest slice on each row's path, by pointer doubling over flat (position, row)
+    # indices: after round m, M[i] covers the last 2**m slices before i, ptr[i] their start.
+    M = ce[rows_b, np.arange(n + 1)[:, None], back].ravel()
+    M[:r] = 0.0
+    ptr = (back * r + rows).ravel()
+    while (ptr[n * r :] >= r).any():
+        M = np.maximum(M, M.take(ptr))
+        ptr = ptr.take(ptr)
+    return S[n], np.where(np.isfinite(S[n]), M[n * r :], 0.0), back.T
 
 
 def trace(back: np.ndarray, granularity: int) -> tuple[int, ...]:
@@ -134,26 +179,37 @@ def trace(back: np.ndarray, granularity: int) -> tuple[int, ...]:
 def bottleneck(ce: np.ndarray, bs: np.ndarray) -> np.ndarray:
     """Smallest feasible t_max per batch-slice size (min over slicings of the max slice);
     windows below it are skipped, as Algorithm 1 finds no slicing there."""
-    n = ce.shape[1] - 1
-    B = np.full((len(bs), n + 1), np.inf)
-    B[:, 0] = 0.0
-    for i in range(1, n + 1):
-        B[:, i] = np.maximum(B[:, :i], ce[bs, i, :i]).min(axis=1)
-    return B[:, n]
+    n, nb = ce.shape[1] - 1, len(bs)
+    # Slicing into single grid steps bounds every size's answer from above, so slices
+    # dearer than its largest step lie on no min-max path: the band leaves them out.
+    upper = ce[bs[:, None], np.arange(1, n + 1), np.arange(n)].max()
+    lo = _band(ce, bs, float(upper))
+    B = np.full((n + 1, nb), np.inf)
+    B[0] = 0.0
+    buf = np.empty((n + 1, nb))
+    for i, e, ends, starts in _blocks(lo, nb):
+        c, o = ce[bs[:, None], ends, starts].T, 0
+        for q, a in zip(range(i, e), lo[i:e].tolist(), strict=True):
+            if q > a:
+                x = np.maximum(B[a:q], c[o : o + q - a], out=buf[: q - a])
+                np.minimum.reduce(x, axis=0, out=B[q])
+                o += q - a
+    return B[n]
 
 
 # ---- the t_max search ----------------------------------------------------------------
 
 
-def windows(values: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and tops of the eps-windows over sorted distinct ``values``."""
+def windows(times: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and tops of the eps-windows over the distinct finite values of ``times``."""
+    values = np.unique(times[np.isfinite(times)])
     if eps <= 0 or len(values) < 2 or np.diff(values).min() >= eps:
         return values, values
-    # Each window's successor starts at the first value >= start + eps; follow that chain
-    # in plain Python (one numpy call per window would dominate planning time).
-    jump, first = np.searchsorted(values, values + eps).tolist(), [0]
-    while jump[first[-1]] < len(values):
-        first.append(jump[first[-1]])
+    # Each window's successor starts at the first value >= start + eps: follow that chain
+    # by bisecting a list (a numpy call per window would dominate planning time).
+    v, first, i = values.tolist(), [0], 0
+    while (i := bisect_left(v, v[i] + eps, i + 1)) < len(v):
+        first.append(i)
     idx = np.asarray(first)
     return values[idx], values[np.append(idx[1:], len(values)) - 1]
 
@@ -170,12 +226,13 @@ def fill_factor(n_stages: int, n_chunks: int = 1) -> float:
 
 
 class Search:
-    """Branch and bound over t_max windows for one objective (see the module docstring):
-    T = S* + ``fill`` * t_max. ``gaps`` are open intervals (a, c) of unevaluated
-    windows; S[W] = 0 is a sentinel. ``best`` starts at ``incumbent``: only windows that
-    can beat it are searched. ``sum_holds_max``: S* is at least the largest limited value
-    (true of times, and of times plus a non-negative penalty; not of a memory sum limited
-    by other bytes), which lets the bound use T >= (1 + fill) * t_max."""
+    """Branch and bound over t_max windows for one objective (module docstring):
+    T = S* + ``fill`` * t_max. ``gaps``: (a, e, c), windows a+1..e-1 still open, where S*
+    is at least S[c] (c >= e tried, or the sentinel S[W] = 0: sums are non-negative).
+    ``best`` starts at ``incumbent``: only windows that can beat it are searched.
+    ``sum_holds_max``: S* is at least the largest limited value (true of times, and of
+    times plus a non-negative penalty; not of a memory sum limited by other bytes), which
+    lets the bound use T >= (1 + fill) * t_max."""
 
     def __init__(
         self,
@@ -189,8 +246,7 @@ class Search:
         self.starts, self.tops, self.fill = starts, tops, fill
         self.S = np.zeros(len(starts) + 1)
         self.best = incumbent
-        self.gaps: list[tuple[int, int]] = [(-1, len(starts))]
-        self.s_inf = 0.0  # S* with no limit, a lower bound on every S*
+        self.gaps: list[tuple[int, int, int]] = [(-1, len(starts), len(starts))]
         self.sum_holds_max = sum_holds_max
 
     def _bound(self, a: int, c: int) -> float:
@@ -202,40 +258,47 @@ class Search:
 
     def probes(self, m: int) -> np.ndarray:
         """Up to about ``m`` windows to evaluate next, spread over the best gaps."""
-        w = len(self.starts)
-        if self.gaps == [(-1, w)]:
-            return np.array([w - 1]) if w else np.array([], dtype=np.int64)
-        if not np.isfinite(self.s_inf):  # not even the unlimited DP found a slicing
-            return np.array([], dtype=np.int64)
-        lim = self.best - self.s_inf
-        cut = np.searchsorted(self.starts, lim / self.fill) if self.fill > 0 else w
+        w, none = len(self.starts), np.array([], dtype=np.int64)
+        cut = w if self.fill <= 0 else int(np.searchsorted(self.starts, self.best / self.fill))
         if self.sum_holds_max:
-            cut = min(cut, np.searchsorted(self.starts, self.best / (1 + self.fill)))
-        self.gaps = [(a, c) for a, c in self.gaps if a + 1 < cut and self._bound(a, c) < self.best]
-        self.gaps.sort(key=lambda g: self._bound(*g))
+            cut = min(cut, int(np.searchsorted(self.starts, self.best / (1 + self.fill))))
+        if self.gaps == [(-1, w, w)]:  # nothing tried yet: the ladder (module docstring)
+            if not cut:
+                return none
+            t = self.starts[0] + (self.starts[cut - 1] - self.starts[0]) * 2.0 ** -np.linspace(
+                *LADDER, min(m, LADDER_PROBES)
+            )
+            return np.unique(np.searchsorted(self.starts, t, "right") - 1)
+        gaps = [(a, min(e, cut), c) for a, e, c in self.gaps]
+        self.gaps = [g for g in gaps if g[0] + 1 < g[1] and self._bound(g[0], g[2]) < self.best]
+        self.gaps.sort(key=lambda g: self._bound(g[0], g[2]))
         per, out = max(1, m // max(1, len(self.gaps))), []
-        for a, c in self.gaps[:m]:
-            size = min(c, cut) - a - 1
+        for a, e, _ in self.gaps[:m]:
+            size = e - a - 1
             q = min(per, size)
             out.append(a + 1 + (np.arange(q) * size) // q + (size // q) // 2)
-        return np.unique(np.concatenate(out)) if out else np.array([], dtype=np.int64)
+        return np.unique(np.concatenate(out)) if out else none
 
-    def report(self, idx: np.ndarray, S: np.ndarray, T: np.ndarray) -> int:
-        """Record S* and T at the probed windows; the position of a new best, else -1."""
+    def report(self, idx: np.ndarray, S: np.ndarray, T: np.ndarray, peak: np.ndarray) -> int:
+        """Record S* and T = S* + fill * peak at the probed windows (``peak``: the largest
+        slice time of each one's plan); the position of a new best, else -1."""
         self.S[idx] = S
-        if self.gaps == [(-1, len(self.starts))]:
-            self.s_inf = float(S[-1])
-        split = []
-        for a, c in self.gaps:
-            inside = idx[(idx > a) & (idx < c)]
-            ends = [a, *inside.tolist(), c]
-            split += [(x, y) for x, y in pairwise(ends) if y - x > 1]
-        self.gaps = split
         k = int(np.argmin(T))
+        found = -1
         if T[k] < self.best:
-            self.best = float(T[k])
-            return k
-        return -1
+            self.best, found = float(T[k]), k
+        # Below a probed window c, every plan whose largest slice lies in [peak(c), top(c)]
+        # sums at least S*(c) and so costs at least T(c) >= best: its windows are done.
+        done = np.searchsorted(self.starts, peak).tolist()
+        at = dict(zip(idx.tolist(), done, strict=True))
+        split = []
+        for a, e, c in self.gaps:
+            inside = idx[(idx > a) & (idx < e)].tolist()
+            for x, y in pairwise([a, *inside]):
+                split.append((x, min(y, max(x + 1, at[y])), y))
+            split.append((inside[-1] if inside else a, e, c))
+        self.gaps = [g for g in split if g[1] - g[0] > 1]
+        return found
 
 
 # ---- plans of one batch slice ----------------------------------------------------------
@@ -265,10 +328,8 @@ def prepare(
             "one sequence and at most the cost model's max_batch_slice_size"
         )
     bmax = min(batch, limit or batch, profiled or batch)
-    grid = slice_time_table(
-        cost, seq_len=seq_len, max_batch_slice_size=bmax, granularity=granularity
-    )
-    return by_end(grid), bmax
+    ce = end_table(cost, seq_len=seq_len, max_batch_slice_size=bmax, granularity=granularity)
+    return ce, bmax
 
 
 def token_search(
@@ -277,8 +338,9 @@ def token_search(
     """The t_max search of §3.3 for each batch-slice size in ``bs``, in shared sweeps,
     minimising S* + ``fill`` * t_max (:func:`fill_factor`)."""
     searches = {}
-    for b, floor in zip(bs, bottleneck(ce, np.asarray(bs)), strict=True):
-        starts, tops = windows(np.unique(ce[b][np.isfinite(ce[b])]), eps)
+    floors = derive(ce, ("floors", *bs), partial(bottleneck, ce, np.asarray(bs)))
+    for b, floor in zip(bs, floors, strict=True):
+        starts, tops = derive(ce, ("windows", b, eps), partial(windows, ce[b : b + 1], eps))
         searches[b] = Search(starts[tops >= floor], tops[tops >= floor], fill)
     found: dict[int, TokenSlicing] = {}
     while True:
@@ -288,10 +350,10 @@ def token_search(
         rows_b = np.concatenate([np.full(len(p), b) for b, p in probes.items()])
         rows_t = np.concatenate([searches[b].tops[p] for b, p in probes.items()])
         S, M, back = run_dp(ce, rows_b, rows_t)
-        T = S + fill * M
-        off = 0
+        T, off = S + fill * M, 0
         for b, p in probes.items():
-            k = searches[b].report(p, S[off : off + len(p)], T[off : off + len(p)])
+            part = slice(off, off + len(p))
+            k = searches[b].report(p, S[part], T[part], M[part])
             if k >= 0:
                 r = off + k
                 found[b] = TokenSlicing(
@@ -314,8 +376,8 @@ def algorithm1(
     no window search, which the tests hold :func:`token_dp` and the joint planners to."""
     b = batch_slice_size
     check_batch_slice_size(cost, b)
-    grid = slice_time_table(cost, seq_len=seq_len, max_batch_slice_size=b, granularity=granularity)
-    S, _, back = run_dp(by_end(grid), np.array([b]), np.array([float(t_max)]))
+    ce = end_table(cost, seq_len=seq_len, max_batch_slice_size=b, granularity=granularity)
+    S, _, back = run_dp(ce, np.array([b]), np.array([float(t_max)]))
     return (float(S[0]), trace(back[0], granularity)) if np.isfinite(S[0]) else (np.inf, ())
 
 

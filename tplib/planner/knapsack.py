@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tplib.planner.dp import Search, bottleneck, run_dp, trace, windows
+from tplib.planner.cost_table import derive
+from tplib.planner.dp import PROBES, Search, bottleneck, run_dp, trace, windows
 
 __all__ = ["ROWS", "JointResult", "joint_search", "knapsack"]
 
-ROWS = 128  # DP rows per sweep (one row per batch-slice size per probe)
+ROWS = 128  # DP rows per sweep at most (a row per batch-slice size per probe)
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,9 @@ def joint_search(
     bmax = ce.shape[0] - 1
     bs = np.arange(1, bmax + 1)
     extra = np.zeros(bmax) if extra is None else extra
-    finite = ce[1:][np.isfinite(ce[1:])]
-    if not len(finite):
+    if not np.isfinite(ce[1:]).any():
         return None
-    floor = bottleneck(ce, bs).min()
+    floor = derive(ce, ("floors", *bs), lambda: bottleneck(ce, bs)).min()
     if not np.isfinite(floor):
         return None
     if np.isfinite(incumbent):  # the unlimited DP's bound, before sorting every cell
@@ -92,20 +92,19 @@ def joint_search(
         total, _ = knapsack((S + extra)[None], batch)
         if total[0] + fill * floor >= incumbent:
             return None
-    starts, tops = windows(np.unique(finite), eps)
+    starts, tops = derive(ce, ("windows 1..", bmax, eps), lambda: windows(ce[1:], eps))
     keep = tops >= floor
     search = Search(
         starts[keep], tops[keep], fill, incumbent=incumbent, sum_holds_max=sum_holds_max
     )
     result = None
-    while len(p := search.probes(max(1, ROWS // bmax))):
+    while len(p := search.probes(min(PROBES, max(1, ROWS // bmax)))):
         S, M, back = run_dp(ce, np.tile(bs, len(p)), np.repeat(search.tops[p], bmax), values)
         S, M = S.reshape(len(p), bmax), M.reshape(len(p), bmax)
         total, splits = knapsack(S + extra, batch)
-        peak = np.array(
-            [max((M[r, b - 1] for b in s), default=np.inf) for r, s in enumerate(splits)]
-        )
-        k = search.report(p, total, total + fill * peak)
+        # No split (total inf): peak 0, so T stays inf even with fill 0 (one stage).
+        peak = np.array([max((M[r, b - 1] for b in s), default=0.0) for r, s in enumerate(splits)])
+        k = search.report(p, total, total + fill * peak, peak)
         if k >= 0:
             ts = tuple(trace(back[k * bmax + b - 1], granularity) for b in splits[k])
             objective = float(total[k] + fill * peak[k])
