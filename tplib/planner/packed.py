@@ -122,7 +122,7 @@ def plan_packed(
         rows_b, rows_t = np.tile(np.arange(R), len(p)), np.repeat(search.tops[p], R)
         S, M, back = run_dp(ce, rows_b, rows_t)
         total, peak, pick = _split(S.reshape(len(p), R), M.reshape(len(p), R), lo, hi, B)
-        k = search.report(p, total, total + fill * peak)
+        k = search.report(p, total, total + fill * peak, peak)
         if k >= 0:
             chosen = _chosen(pick[k], lo, B)
             best = (
