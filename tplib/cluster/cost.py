@@ -283,9 +283,12 @@ class ClusterCostModel(LayoutLinks):
         communication of the busiest stage: the planner's t(l, c) (Eq. 4)."""
         length, context = np.asarray(length, dtype=float), np.asarray(context, dtype=float)
         fwd, bwd = self.stage_times(batch_slice_size, length, context)
-        nbytes = FP16 * batch_slice_size * length * self.cfg.hidden
+        # Communication depends on the length alone: priced once per distinct length (a
+        # planner's grid asks for a few hundred lengths at tens of thousands of points).
+        lengths, where = np.unique(length, return_inverse=True)
+        nbytes = FP16 * batch_slice_size * lengths * self.cfg.hidden
         comm = np.max([self.stage_comm(k, nbytes) for k in range(self.n_stages)], axis=0)
-        return fwd + bwd + comm
+        return fwd + bwd + comm[where].reshape(length.shape)
 
     def wgrad_time(
         self, batch_slice_size: int, length: np.ndarray, layers: int | None = None
