@@ -280,6 +280,8 @@ KINDS = {
     ("seqlen_sweep", "measure"): {"seq_lens": "ints", "batches": "ints", "n_grid": "int"},
     ("simulator_validation", "measure"): {"schedules": "names", "n_slices": "int", "pipeline_batch": "int"},
     ("pipeline_systems", "measure"): {"systems": "names", "batch": "int", "efficiency_steps": "int"},
+    ("packed_sequences", "simulate"): {"settings": "ints", "sources": "names", "n_batches": "int"},
+    ("packed_sequences", "measure"): {"schemes": "names", "batch": "int", "rounds": "int"},
 }  # fmt: skip
 WRONG: dict[str, list[object]] = {
     "ints": [5, "abc", None, [1.5], [None], ["9"], [True], {}, [], {"9": 1}],
