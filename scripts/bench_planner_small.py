@@ -30,8 +30,8 @@ import pandas as pd
 
 from tplib.paper import Setting, setting
 from tplib.plan import Plan
-from tplib.planner import SliceCostModel, plan_slices
-from tplib.search.setting import EPS, GRANULARITY, Method, cost_model
+from tplib.planner import SliceCostModel
+from tplib.search.setting import EPS, GRANULARITY, Method, cost_model, plan_terapipe
 
 
 def timed(plan: Callable[[SliceCostModel], Plan], costs: list[SliceCostModel]) -> list[float]:
@@ -47,19 +47,7 @@ def timed(plan: Callable[[SliceCostModel], Plan], costs: list[SliceCostModel]) -
 
 def planner(s: Setting, method: Method, eps: float) -> Callable[[SliceCostModel], Plan]:
     """Setting ``s``'s plan on a cost model, as the main-results table makes it."""
-
-    def plan(cost: SliceCostModel) -> Plan:
-        return plan_slices(
-            cost,
-            seq_len=s.seq_len,
-            batch=s.pipeline_batch,
-            n_stages=s.n_stages,
-            granularity=GRANULARITY,
-            eps=eps,
-            method=method,
-        )
-
-    return plan
+    return lambda cost: plan_terapipe(s, method=method, eps=eps, cost=cost)
 
 
 def main() -> None:
