@@ -223,7 +223,7 @@ def bench_command(args: argparse.Namespace) -> int:
     if data.packed:
         from tplib.runtime.batches import real_tokens
 
-        real = real_tokens(run, range(run.timing.warmup, run.timing.iterations))
+        real = real_tokens(run.cfg, data, range(run.timing.warmup, run.timing.iterations))
         mean = sum(real) / len(real)
         print(
             f"  {data.source} packed {data.packing}, document masking "

@@ -1,5 +1,4 @@
-"""What each iteration of a run trains on: its rows, their documents, its loss scale, and
-under per-batch plans the schedule it runs.
+"""What each iteration of a run trains on: its rows, their documents and its loss scale.
 
 Unpacked data (:class:`~tplib.runtime.parts.Data` ``source`` "synthetic" or "stdlib") is
 rows of L tokens, every target counted: the loss is scaled by ``1 / (B * L)``. Packed
@@ -12,9 +11,9 @@ documents). Every rank draws the same batch from the iteration's seed.
 
 Per-batch plans (:attr:`RunConfig.batch_plans <tplib.runtime.RunConfig.batch_plans>`):
 iteration i runs plan i, each with the run's batch split, so the executors keep their
-K/V contexts and only the token slicing changes. Each plan's schedule is built and
-validated once, when the config is made, and again in each process
-(:func:`batch_schedules`).
+K/V contexts and only the token slicing changes. Each distinct plan's schedule is built
+and validated once, when the config is made
+(:attr:`RunConfig.batch_schedules <tplib.runtime.RunConfig.batch_schedules>`).
 """
 
 from __future__ import annotations
@@ -25,14 +24,13 @@ import torch
 from torch import Tensor
 
 from tplib.documents import IGNORE, Documents
+from tplib.nn.configs import GPTConfig
 from tplib.nn.data import batch_rows, document_batch
-from tplib.plan import Plan
+from tplib.runtime.parts import Data
 from tplib.runtime.runconfig import RunConfig
-from tplib.schedule import Schedule, make_schedule
 
 __all__ = [
     "Batch",
-    "batch_schedules",
     "iteration_batch",
     "on_device",
     "real_tokens",
@@ -67,33 +65,17 @@ def iteration_batch(run: RunConfig, index: int, n: int, replica: int) -> Batch:
     return Batch(packed.tokens[mine], packed.targets[mine], documents, 1.0 / max(1, counted))
 
 
-def real_tokens(run: RunConfig, iterations: range) -> list[int]:
-    """The tokens of real text (documents, not padding) each of ``iterations`` trains on:
-    what the throughput of packed rows is counted in."""
-    data = run.data
+def real_tokens(cfg: GPTConfig, data: Data, iterations: range) -> list[int]:
+    """The tokens of real text (documents, not padding) each of ``iterations`` trains on
+    from ``data``: what the throughput of packed rows is counted in."""
     if not data.packed:
         return [data.batch * data.seq_len for _ in iterations]
     return [
         document_batch(
-            run.cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
+            cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
         ).packing.real_tokens
         for i in iterations
     ]
-
-
-def _schedule(run: RunConfig, plan: Plan) -> Schedule:
-    p = run.parallelism
-    return make_schedule(
-        run.schedule_name, p.n_stages, plan, n_iterations=run.timing.iterations,
-        n_chunks=p.n_chunks,
-    )  # fmt: skip
-
-
-def batch_schedules(run: RunConfig) -> tuple[Schedule, ...]:
-    """Each iteration's schedule under per-batch plans (one per distinct plan); ()
-    without them."""
-    built: dict[Plan, Schedule] = {}
-    return tuple(built.setdefault(p, _schedule(run, p)) for p in run.batch_plans)
 
 
 def on_device(rows: Tensor, device: torch.device) -> Tensor:

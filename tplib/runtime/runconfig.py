@@ -84,13 +84,13 @@ class RunConfig:
     # "none" | "selective" (recompute each attention core) | "full" (keep only each
     # unit's input; recompute its forward)
     recompute: str = "none"
-    # Per-batch plans: iteration i runs batch_plans[i] (tplib.runtime.batches)
-    batch_plans: tuple[Plan, ...] = ()
+    batch_plans: tuple[Plan, ...] = ()  # per-batch: iteration i runs batch_plans[i]
     # What __post_init__ derives: the model, plan, layer ranges, schedule and (made once,
     # on first use) where each stage posts its messages.
     _derived: tuple[GPTConfig, Plan, tuple[StageRange, ...], Schedule, PostingPlan | None] = field(
         init=False, repr=False, compare=False
     )
+    _batch_schedules: tuple[Schedule, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, part in PARTS.items():
@@ -139,38 +139,38 @@ class RunConfig:
                 )
             ranges = balanced_stages(cfg.n_layer, parallelism.n_parts)
         check_stage_ranges(cfg, ranges, parallelism.n_parts)
-        schedule = make_schedule(
-            self.schedule_name,
-            parallelism.n_stages,
-            plan,
-            n_iterations=self.timing.iterations,
-            vertical_sync=self.vertical_sync,
-            n_chunks=v,
-        )
+        schedule = self._make_schedule(plan)
         if schedule.asynchronous:
             self._check_asynchronous(cfg)
         if parallelism.sequence_parallel:
             self._check_sequence_parallel(plan, schedule)
         if parallelism.n_cp > 1:
             self._check_context_parallel(cfg, plan, schedule)
-        self._check_packed(cfg, plan, schedule)
+        object.__setattr__(self, "_batch_schedules", self._check_packed(plan, schedule))
         posting = None
         if self.device == "cuda":  # NCCL: a send waits for its receive (tplib.schedule.nccl)
             posting = posting_plan(schedule)
             check_nccl(schedule, posting)
         object.__setattr__(self, "_derived", (cfg, plan, tuple(ranges), schedule, posting))
 
-    def _check_packed(self, cfg: GPTConfig, plan: Plan, schedule: Schedule) -> None:
-        """Refuse, before any work, what packed rows or per-batch plans cannot run with."""
-        data = self.data
-        if data.packed and (schedule.asynchronous or self.parallelism.n_cp > 1):
+    def _make_schedule(self, plan: Plan) -> Schedule:
+        p = self.parallelism
+        return make_schedule(
+            self.schedule_name, p.n_stages, plan, n_iterations=self.timing.iterations,
+            vertical_sync=self.vertical_sync, n_chunks=p.n_chunks,
+        )  # fmt: skip
+
+    def _check_packed(self, plan: Plan, schedule: Schedule) -> tuple[Schedule, ...]:
+        """Refuse what packed rows or per-batch plans cannot run with; return each
+        iteration's schedule under per-batch plans (one built per distinct plan)."""
+        if self.data.packed and (schedule.asynchronous or self.parallelism.n_cp > 1):
             raise ValueError(
-                f"data source {data.source!r} with schedule {self.schedule_name!r} and "
+                f"data source {self.data.source!r} with schedule {self.schedule_name!r} and "
                 f"#CP={self.parallelism.n_cp}: packed documents run under synchronous "
                 "schedules, without context parallelism"
             )
         if not self.batch_plans:
-            return
+            return ()
         if schedule.asynchronous:
             raise ValueError(
                 f"batch_plans with schedule {self.schedule_name!r}: per-batch plans need a flush "
@@ -181,18 +181,17 @@ class RunConfig:
                 f"{len(self.batch_plans)} batch_plans for {self.timing.iterations} iterations: "
                 "give one plan per iteration"
             )
+        built: dict[Plan, Schedule] = {}
         for i, p in enumerate(self.batch_plans):
             if not isinstance(p, Plan) or p.batch_slices != plan.batch_slices:
                 raise ValueError(
                     f"batch_plans[{i}]={p!r}: every per-batch plan keeps the run's batch split "
                     f"{plan.batch_slices} (the K/V contexts are kept); only token slices change"
                 )
-            p.check_covers(self.pipeline_batch, data.seq_len)
-            # Each plan's schedule validated here, before any process starts.
-            make_schedule(
-                self.schedule_name, self.parallelism.n_stages, p,
-                n_iterations=self.timing.iterations, n_chunks=self.parallelism.n_chunks,
-            )  # fmt: skip
+            p.check_covers(self.pipeline_batch, self.data.seq_len)
+            if p not in built:  # validated here, before any process starts
+                built[p] = self._make_schedule(p)
+        return tuple(built[p] for p in self.batch_plans)
 
     def _check_asynchronous(self, cfg: GPTConfig) -> None:
         """What an asynchronous schedule cannot combine with, and why."""
@@ -350,6 +349,11 @@ class RunConfig:
     def schedule(self) -> Schedule:
         """The validated schedule every stage interprets, built from ``schedule_name``."""
         return self._derived[3]
+
+    @property
+    def batch_schedules(self) -> tuple[Schedule, ...]:
+        """Iteration i's schedule under per-batch plans (:attr:`batch_plans`); () without."""
+        return self._batch_schedules
 
     @property
     def posting(self) -> PostingPlan:

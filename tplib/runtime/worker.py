@@ -47,7 +47,7 @@ from tplib.nn.precision import autocast, param_dtype
 from tplib.nn.ring import cp_shard
 from tplib.nn.slicing import unit_rows
 from tplib.plan import Unit
-from tplib.runtime.batches import batch_schedules, iteration_batch, on_device
+from tplib.runtime.batches import iteration_batch, on_device
 from tplib.runtime.chunk import build_chunks, held_contexts
 from tplib.runtime.clock import Mark, PassClock
 from tplib.runtime.groups import RankGroups
@@ -118,7 +118,6 @@ class Worker:
             self.plan, self.stage_id, posting, self.groups, hidden=run.cfg.hidden,
             wire_dtype=self.wire_dtype, device=self.device,
         )  # fmt: skip
-        self.batch_schedules = batch_schedules(run)  # per-batch plans' (or none)
         self.versions: WeightVersions | None = None
         self.updates = 0  # optimizer steps made so far
         self.position = 0  # the index of the action running in the stage's list
@@ -252,7 +251,7 @@ class Worker:
 
     def _use_plan(self, index: int) -> None:
         """Under per-batch plans, switch to iteration ``index``'s schedule."""
-        schedule = self.batch_schedules[index]
+        schedule = self.run.batch_schedules[index]
         if schedule is self.schedule:
             return
         self.schedule, self.plan = schedule, schedule.plan
@@ -270,7 +269,7 @@ class Worker:
         n = self.schedule.n_iterations
         # This replica's share of each global batch; the plan cuts it into units.
         batch = iteration_batch(run, index, n, self.replica)
-        if self.batch_schedules:
+        if run.batch_schedules:
             self._use_plan(index)
         loss = torch.zeros(n, dtype=torch.float32, device=self.device)
         tokens, targets = (

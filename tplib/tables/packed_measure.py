@@ -113,14 +113,10 @@ def _per_batch_plans(
 
 def _real_tokens(bench: Bench, data: Data) -> float:
     """Mean tokens of documents per timed iteration."""
-    from tplib.nn.data import document_batch
+    from tplib.runtime.batches import real_tokens
 
-    timed = range(bench.warmup, bench.warmup + bench.iters)
     return statistics.fmean(
-        document_batch(
-            bench.cfg, data.source, data.batch, data.seq_len, data.seed + i, data.packing
-        ).packing.real_tokens
-        for i in timed
+        real_tokens(bench.cfg, data, range(bench.warmup, bench.warmup + bench.iters))
     )
 
 
