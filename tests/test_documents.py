@@ -84,3 +84,10 @@ def test_rows_are_a_batch_slices_boundaries() -> None:
     with pytest.raises(ValueError, match="outside the batch of 3"):
         docs.rows(2, 2)
     assert Documents.whole(2, 8).is_whole() and not docs.is_whole()
+
+
+def test_rounded_boundaries_drop_the_rows_ends_and_merge_repeats() -> None:
+    docs = Documents.from_lengths([[3, 5, 8], [6, 6, 2, 2], [16]], 16)
+    # 3 rounds to 0 and 14 to 16 (the ends, dropped); 6 and 12 to 8 and 16; 14 merges.
+    assert docs.rounded_boundaries(8) == ((8,), (8,), ())
+    assert docs.rounded_boundaries(4) == ((4, 8), (8, 12), ())

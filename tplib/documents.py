@@ -149,6 +149,15 @@ class Documents:
         """``(batch, seq_len + 1)``: per row, :func:`pairs_prefix`."""
         return np.stack([pairs_prefix(b) for b in self.bounds])
 
+    def rounded_boundaries(self, step: int) -> tuple[tuple[int, ...], ...]:
+        """Per row, its document boundaries rounded to the nearest multiple of ``step``
+        tokens (halves up), sorted, repeats merged, those at the row's ends dropped."""
+        L = self.seq_len
+        return tuple(
+            tuple(sorted({(x + step // 2) // step * step for x in b[1:-1]} - {0, L}))
+            for b in self.bounds
+        )
+
     def is_whole(self) -> bool:
         """Every row one document: attention is plain causal attention."""
         return all(len(b) == 2 for b in self.bounds)

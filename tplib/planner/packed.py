@@ -282,12 +282,12 @@ def snap_uniform(
     sizes = _batch_split(batch_slices, documents.batch)
     q, r = divmod(n, n_slices)
     uniform = g * np.cumsum([q + 1 if i < r else q for i in range(n_slices)])[:-1]
+    rounded = documents.rounded_boundaries(g)
     slicings, first = [], 0
     for size in sizes:
-        rows = documents.bounds[first : first + size]
+        grid = set().union(*rounded[first : first + size])
         first += size
-        grid = {(x + g // 2) // g * g for bounds in rows for x in bounds}
-        candidates = np.array(sorted(grid - {0, L}), dtype=np.int64)
+        candidates = np.array(sorted(grid), dtype=np.int64)
         cuts = [0]
         for u in uniform.tolist():
             near = candidates[(np.abs(candidates - u) <= w) & (candidates > cuts[-1])]

@@ -54,12 +54,7 @@ class PlanCache:
     def key(self, documents: Documents) -> Key:
         """The batch's length pattern: row length, and per row its rounded inner
         boundaries."""
-        s, L = self.step, documents.seq_len
-        rows = tuple(
-            tuple(sorted({(x + s // 2) // s * s for x in bounds[1:-1]} - {0, L}))
-            for bounds in documents.bounds
-        )
-        return L, rows
+        return documents.seq_len, documents.rounded_boundaries(self.step)
 
     def get_or_plan(self, documents: Documents, plan_fn: Callable[[Documents], Plan]) -> Plan:
         """The stored plan of ``documents``' pattern, or ``plan_fn(documents)``, stored."""
