@@ -44,6 +44,7 @@ __all__ = [
     "Piece",
     "pack",
     "pad_each",
+    "piece_lengths",
 ]
 
 METHODS = ("ffd", "greedy")
@@ -178,6 +179,12 @@ def _tiles(covered: list[tuple[int, int]], n: int) -> bool:
     return ends[-1] == n and all(lo == e for (lo, _), e in zip(covered, ends, strict=False))
 
 
+def piece_lengths(n: int, seq_len: int) -> list[int]:
+    """A document of ``n`` tokens cut into pieces of ``seq_len`` (the last the rest), as
+    ``split_long`` cuts it."""
+    return [min(seq_len, n - o) for o in range(0, n, seq_len)]
+
+
 def _pieces(lengths: Sequence[int], seq_len: int, split_long: bool) -> list[Piece]:
     """Each document as a piece, or cut into pieces of ``seq_len`` with ``split_long``;
     bad input refused before any packing."""
@@ -198,7 +205,8 @@ def _pieces(lengths: Sequence[int], seq_len: int, split_long: bool) -> list[Piec
                 "document is never split unless split_long=True (pieces of seq_len tokens, "
                 "each with fresh context)"
             )
-        out += [Piece(d, o, min(seq_len, n - o)) for o in range(0, n, seq_len)]
+        offsets = range(0, n, seq_len)
+        out += [Piece(d, o, m) for o, m in zip(offsets, piece_lengths(n, seq_len), strict=True)]
     return out
 
 

@@ -72,7 +72,7 @@ from tplib.cluster.hardware import CLUSTERS
 from tplib.cluster.implementation import PAPER_PLATFORM, Implementation, Platform
 from tplib.documents import Documents
 from tplib.nn.doc_lengths import SOURCES, corpus_lengths, document_stream, lognormal_lengths
-from tplib.packing import Packing, pack, pad_each
+from tplib.packing import Packing, pack, pad_each, piece_lengths
 from tplib.paper import SETTINGS, setting
 from tplib.plan import Plan, grid_size
 from tplib.planner import PackedCost, PlanCache, packed_latency, plan_packed, snap_uniform
@@ -114,7 +114,7 @@ def batches(
     for _ in range(n_batches):
         while (sum(waiting) < rows * seq_len) if packed else (len(waiting) < rows):
             n = next(lengths)
-            waiting += [seq_len] * (n // seq_len) + ([n % seq_len] if n % seq_len else [])
+            waiting += piece_lengths(n, seq_len)
         if packed:
             p = pack(waiting, seq_len, rows=rows, method="ffd")
         else:
