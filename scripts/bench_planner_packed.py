@@ -42,9 +42,6 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from tplib.cluster.calibration import CALIBRATIONS
-from tplib.cluster.hardware import CLUSTERS
-from tplib.cluster.implementation import Implementation, Platform
 from tplib.documents import Documents
 from tplib.nn.doc_lengths import document_stream
 from tplib.paper import setting
@@ -60,6 +57,7 @@ from tplib.planner import (
 )
 from tplib.planner.cost_table import slice_time_table
 from tplib.search.setting import EPS, cost_model
+from tplib.tables.packed_sequences import PLATFORMS
 from tplib.tables.packed_sequences import batches as packed_batches
 
 T = TypeVar("T")
@@ -75,15 +73,14 @@ def timed(f: Callable[[], T]) -> tuple[T, float]:
 
 
 def fit_table(settings: list[int], bmax: int) -> pd.DataFrame:
-    h100 = Platform(CLUSTERS["dgx-h100"], Implementation(attention="flash"))
     out = []
     for i in settings:
         s = setting(i)
         K, B, b = s.n_stages, s.pipeline_batch, min(bmax, s.pipeline_batch)
-        for name, model in (
-            ("V100 (paper)", cost_model(s)),
-            ("DGX H100 (flash)", cost_model(s, CALIBRATIONS["dgx-h100"], on=h100)),
+        for name, (calibration, platform) in zip(
+            ("V100 (paper)", "DGX H100 (flash)"), PLATFORMS.values(), strict=True
         ):
+            model = cost_model(s, calibration, on=platform)
             fit, ms = timed(partial(PackedCost.fit, model, seq_len=L, max_batch_slice_size=b))
             grid = slice_time_table(model, seq_len=L, max_batch_slice_size=b)[1:]
             k, j = np.nonzero(np.isfinite(grid[0]))
