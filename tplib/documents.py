@@ -140,10 +140,15 @@ class Documents:
             out[r] = np.repeat(np.asarray(b[:-1]), self.lengths(r))
         return out
 
+    def starts(self, start: int, length: int) -> np.ndarray:
+        """``(batch, length)``: where the document of each token ``[start, start +
+        length)`` begins."""
+        return self._doc_starts[:, start : start + length]
+
     def positions(self, start: int, length: int) -> np.ndarray:
         """``(batch, length)`` position ids of tokens ``[start, start + length)``: each
         counts from the start of its own document."""
-        return np.arange(start, start + length) - self._doc_starts[:, start : start + length]
+        return np.arange(start, start + length) - self.starts(start, length)
 
     def pairs_prefix(self) -> np.ndarray:
         """``(batch, seq_len + 1)``: per row, :func:`pairs_prefix`."""

@@ -51,13 +51,10 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def document_mask(documents: Documents, start: int, end: int, device: torch.device) -> Tensor:
     """``(batch, 1, end - start, end)``: True where a query of ``[start, end)`` may see a
     key of ``[0, end)`` (its own document's, at or before it)."""
-    doc_start = torch.from_numpy(documents.positions(0, end)).to(device)
-    doc_start = torch.arange(end, device=device) - doc_start  # (batch, end)
+    doc_start = torch.from_numpy(documents.starts(start, end - start)).to(device)
     keys = torch.arange(end, device=device)
     queries = keys[start:end]
-    seen = (keys[None, :] <= queries[:, None]) & (
-        keys[None, None, :] >= doc_start[:, start:end, None]
-    )
+    seen = (keys[None, :] <= queries[:, None]) & (keys[None, None, :] >= doc_start[:, :, None])
     return seen.unsqueeze(1)
 
 
