@@ -51,6 +51,7 @@ __all__ = [
     "append_kv",
     "attention_impls",
     "causal_attention",
+    "fastest_impl",
     "math_attention",
     "merge_partials",
     "slice_attention",
@@ -282,9 +283,7 @@ def slice_attention(
         keys, values = append_kv(k, v, layer, start)
         core: Core = partial(math_attention, start=start, probs_dropout=probs_dropout)
         return attention_core(core, q, keys, values, recompute=recompute)
-    impl = layer.impl or (
-        "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
-    )
+    impl = layer.impl or fastest_impl(q)
     if impl == "split":
         if q.device.type != "cpu":  # a CPU context written into from another device
             raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")
@@ -297,6 +296,12 @@ def slice_attention(
         core = partial(_masked_attention, mask=mask)
         return attention_core(core, q, keys, values, recompute=recompute)
     raise ValueError(f"unknown attention impl {impl!r}: choose one of {ATTENTION_IMPLS}")
+
+
+def fastest_impl(q: Tensor) -> str:
+    """The faster implementation for queries ``q``: the fused CPU kernels ("split") take
+    float32 CPU tensors; anything else is "masked"."""
+    return "split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked"
 
 
 def causal_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:

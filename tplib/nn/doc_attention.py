@@ -37,6 +37,7 @@ from tplib.nn.context import (
     LayerContext,
     ProbsDropout,
     append_kv,
+    fastest_impl,
     math_attention,
     merge_partials,
 )
@@ -93,7 +94,7 @@ def document_attention(
             k, v = append_kv(k, v, layer, start)
         return attention_core(core, q, k, v, recompute=recompute)
     impl = layer.impl if layer is not None else None
-    impl = impl or ("split" if q.device.type == "cpu" and q.dtype == torch.float32 else "masked")
+    impl = impl or fastest_impl(q)
     if impl == "split":
         if q.device.type != "cpu":
             raise ValueError(f"attention impl 'split' runs on CPU tensors only, not {q.device}")

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from tplib.nn.configs import check_cp_length
-from tplib.nn.context import LayerContext, StageContext
+from tplib.nn.context import LayerContext, StageContext, fastest_impl
 from tplib.nn.ring_kernels import (
     fused_backward,
     fused_forward,
@@ -227,7 +227,7 @@ def _layout(
 
 def _fused(q: Tensor) -> bool:
     """Whether ``q``'s blocks take the fused CPU kernels (:mod:`tplib.nn.ring_kernels`)."""
-    return q.device.type == "cpu" and q.dtype == torch.float32
+    return fastest_impl(q) == "split"
 
 
 class _RingAttention(torch.autograd.Function):
